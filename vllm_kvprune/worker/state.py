@@ -1,0 +1,207 @@
+"""The worker's half of "scheduler reserves, worker maps": per-request slot maps and the
+plan of one step (which physical slot each new token takes, what moves before and after
+attention), derived from token counts only so the scheduler needs no channel to us.
+
+Step rule shared with `vllm_kvprune.reference` (budget B, prune interval R): before a
+step of q new tokens, if `cached + q > B + R - 1` and `cached > B - 1`, evict down to
+`B - 1` cached tokens. Decode steps are q = 1; a full prefill is one step evaluated at its
+end (as if the next token arrived, so the survivors are compacted while the prompt's
+blocks are still ours); a streaming prefill applies the rule at each `prefill_chunk`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from vllm_kvprune.config import KVPolicyConfig
+from vllm_kvprune.policies import Policy, get_policy
+from vllm_kvprune.worker.slot_map import NO_MOVES, Moves, SlotMap
+
+DEBUG = os.environ.get("VLLM_KVPRUNE_DEBUG", "0") == "1"
+
+
+@dataclass
+class RequestKVState:
+    """What the worker remembers about one request between steps."""
+
+    config: KVPolicyConfig
+    policy: Policy
+    slots: SlotMap = field(default_factory=SlotMap)
+    # layer name -> original post-RoPE (K, V) of the sink tokens, for re-anchoring.
+    sink_kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # The position shift the sink slots hold now (positions: cache).
+    sink_shift: int = 0
+
+
+@dataclass
+class SinkAnchor:
+    """Rewrite a request's sink keys rotated forward by `shift` positions."""
+
+    state: RequestKVState
+    sink_positions: np.ndarray
+    sink_slots: torch.Tensor
+    shift: int
+
+
+@dataclass
+class StepPlan:
+    """One step of the batch in physical terms; built once, executed by every layer."""
+
+    slot_mapping: torch.Tensor  # [T] physical slot of each new token
+    seq_lens: torch.Tensor  # [num_reqs] physical keys each row attends to
+    pre_moves: tuple[torch.Tensor, torch.Tensor] | None = None  # before new tokens are written
+    post_moves: tuple[torch.Tensor, torch.Tensor] | None = None  # after attention (prefill end)
+    sink_captures: list[tuple[RequestKVState, torch.Tensor]] = field(default_factory=list)
+    sink_anchors: list[SinkAnchor] = field(default_factory=list)
+
+
+@dataclass
+class StepRows:
+    """The runner's view of the rows of this step (set just before metadata is built)."""
+
+    req_ids: list[str]
+    num_computed: np.ndarray
+    num_prompt: np.ndarray
+    block_rows: np.ndarray
+    extra_args: list[dict | None]
+
+
+class WorkerKVState:
+    """All bounded requests of one worker, keyed by request id (rows get reordered)."""
+
+    def __init__(self, engine_config: KVPolicyConfig) -> None:
+        self.engine_config = engine_config
+        self.requests: dict[str, RequestKVState] = {}
+        self.rows: StepRows | None = None
+
+    def drop(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+    def _state_for(self, request_id: str, num_computed: int, extra_args: dict | None) -> RequestKVState:
+        state = self.requests.get(request_id)
+        if state is None or num_computed == 0:
+            # New, or resumed after preemption: it re-prefills from scratch.
+            config = self.engine_config.for_request(extra_args)
+            state = RequestKVState(config=config, policy=get_policy(config.name))
+            self.requests[request_id] = state
+        return state
+
+    def plan(self, query_start_loc: np.ndarray, block_size: int) -> StepPlan | None:
+        """The physical plan of the step whose rows were published by the runner."""
+        rows = self.rows
+        if rows is None or not self.engine_config.active:
+            return None
+        num_reqs = len(query_start_loc) - 1
+        if len(rows.req_ids) < num_reqs:
+            return None  # a dummy (profiling) batch: no real requests behind the rows
+        builder = _PlanBuilder(block_size)
+        for row in range(num_reqs):
+            state = self._state_for(rows.req_ids[row], int(rows.num_computed[row]), rows.extra_args[row])
+            builder.add_row(
+                state,
+                first_token=int(query_start_loc[row]),
+                num_computed=int(rows.num_computed[row]),
+                num_new=int(query_start_loc[row + 1] - query_start_loc[row]),
+                num_prompt=int(rows.num_prompt[row]),
+                block_row=rows.block_rows[row],
+            )
+        return builder.finish()
+
+
+class _PlanBuilder:
+    """Accumulates the rows of one step into a `StepPlan`."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.slot_mapping: list[np.ndarray] = []
+        self.seq_lens: list[int] = []
+        self.pre_moves: list[tuple[np.ndarray, np.ndarray]] = []
+        self.post_moves: list[tuple[np.ndarray, np.ndarray]] = []
+        self.sink_captures: list[tuple[RequestKVState, torch.Tensor]] = []
+        self.sink_anchors: list[SinkAnchor] = []
+
+    def _global(self, block_row: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        return block_row[slots // self.block_size].astype(np.int64) * self.block_size + slots % self.block_size
+
+    def _add_moves(self, target: list, block_row: np.ndarray, moves: Moves) -> None:
+        if len(moves[0]):
+            target.append((self._global(block_row, moves[0]), self._global(block_row, moves[1])))
+
+    def add_row(self, state: RequestKVState, first_token: int, num_computed: int, num_new: int,
+                num_prompt: int, block_row: np.ndarray) -> None:
+        config, slots = state.config, state.slots
+        positions = np.arange(num_computed, num_computed + num_new, dtype=np.int64)
+        pre = post = NO_MOVES
+        if num_computed < num_prompt:
+            chunk = config.prefill_chunk
+            if config.prefill == "streaming" and num_computed % chunk == 0:
+                pre = evict_for(state, min(chunk, num_prompt - num_computed))
+            kept_before_new = slots.num_valid
+            new_slots = slots.append(positions)
+            if config.prefill == "full" and num_computed + num_new == num_prompt:
+                post = evict_for(state, 1)
+        else:
+            assert num_new == 1, "a bounded request runs one token per step past its prompt"
+            kept_before_new = min(slots.num_valid, config.budget - 1)
+            incoming = slots.num_valid + 1
+            if incoming > config.budget + config.prune_interval - 1:
+                victims = state.policy.victims(slots.logical, incoming - config.budget, config)
+                new_slot, pre = slots.replace(victims, num_computed)
+                new_slots = np.array([new_slot], np.int64)
+            else:
+                kept_before_new = slots.num_valid
+                new_slots = slots.append(positions)
+        if DEBUG:
+            slots.check()
+        self._add_moves(self.pre_moves, block_row, pre)
+        self._add_moves(self.post_moves, block_row, post)
+        self.slot_mapping.append(self._global(block_row, new_slots))
+        self.seq_lens.append(kept_before_new + num_new)
+        self._plan_sinks(state, first_token, num_computed, num_new, kept_before_new, block_row)
+
+    def _plan_sinks(self, state: RequestKVState, first_token: int, num_computed: int, num_new: int,
+                    kept_before_new: int, block_row: np.ndarray) -> None:
+        config = state.config
+        if config.positions != "cache" or config.sinks == 0:
+            return
+        if num_computed < config.sinks:
+            count = min(config.sinks, num_computed + num_new) - num_computed
+            self.sink_captures.append((state, torch.arange(first_token, first_token + count)))
+        shift = num_computed - kept_before_new  # tokens evicted so far
+        if shift != state.sink_shift:
+            sink_slots = np.flatnonzero(state.slots.logical < config.sinks)
+            self.sink_anchors.append(SinkAnchor(
+                state, state.slots.logical[sink_slots],
+                torch.from_numpy(self._global(block_row, sink_slots)), shift,
+            ))
+            state.sink_shift = shift
+
+    def finish(self) -> StepPlan:
+        return StepPlan(
+            slot_mapping=torch.from_numpy(np.concatenate(self.slot_mapping)),
+            seq_lens=torch.tensor(self.seq_lens, dtype=torch.int32),
+            pre_moves=_concat_moves(self.pre_moves),
+            post_moves=_concat_moves(self.post_moves),
+            sink_captures=self.sink_captures,
+            sink_anchors=self.sink_anchors,
+        )
+
+
+def evict_for(state: RequestKVState, num_incoming: int) -> Moves:
+    """Apply the step rule before `num_incoming` tokens arrive; compacts the survivors."""
+    config, slots = state.config, state.slots
+    keep = config.budget - 1
+    if slots.num_valid + num_incoming <= config.budget + config.prune_interval - 1 or slots.num_valid <= keep:
+        return NO_MOVES
+    return slots.compact(state.policy.survivors(slots.logical, keep, config))
+
+
+def _concat_moves(moves: list[tuple[np.ndarray, np.ndarray]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if not moves:
+        return None
+    return (torch.from_numpy(np.concatenate([m[0] for m in moves])),
+            torch.from_numpy(np.concatenate([m[1] for m in moves])))
