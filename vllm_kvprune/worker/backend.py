@@ -60,7 +60,14 @@ class KVPruneImpl(CPUAttentionBackendImpl):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        from vllm.config import get_current_vllm_config
+
+        # Built now: RoPE modules need the config context that exists only at model build.
+        vllm_config = get_current_vllm_config()
+        policy = policy_from_vllm_config(vllm_config)
         self._rotator = None
+        if policy.active and policy.positions == "cache":
+            self._rotator = rotator_from_model_config(vllm_config.model_config, self.head_size)
 
     def _plan(self, layer) -> StepPlan | None:
         attn_metadata = get_forward_context().attn_metadata
@@ -88,10 +95,6 @@ class KVPruneImpl(CPUAttentionBackendImpl):
         return output
 
     def _reanchor_sinks(self, layer, kv_cache, plan: StepPlan, layout) -> None:
-        if self._rotator is None:
-            from vllm.config import get_current_vllm_config
-
-            self._rotator = rotator_from_model_config(get_current_vllm_config().model_config, self.head_size)
         keys, values, shifts, slots = [], [], [], []
         for anchor in plan.sink_anchors:
             sink_keys, sink_values = anchor.state.sink_kv[layer.layer_name]
@@ -122,12 +125,13 @@ class KVPruneCPUBackend(CPUAttentionBackend):
 
     @classmethod
     def customize_spec(cls, spec):
-        from vllm.config import get_current_vllm_config
         from vllm.v1.kv_cache_interface import FullAttentionSpec
 
         from vllm_kvprune.engine.spec import KVPruneSpec
 
-        if type(spec) is not FullAttentionSpec or not policy_from_vllm_config(get_current_vllm_config()).active:
+        # Called by the model runner, outside any config context: ask the runner's state.
+        worker_state = runtime.worker_state()
+        if type(spec) is not FullAttentionSpec or worker_state is None or not worker_state.engine_config.active:
             return spec
         return KVPruneSpec(**{f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)})
 

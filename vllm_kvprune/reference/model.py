@@ -1,0 +1,510 @@
+"""Shared plumbing for the reference (oracle) implementations of the KV policies.
+
+Everything here is deliberately plain PyTorch, written the way the papers describe their
+methods, so that it can serve as the oracle the engine is tested against (DESIGN.md section 7)
+and as the shift-and-append baseline of the KV-update benchmark:
+
+* :class:`ContiguousKVCache` keeps, per layer, K and V as contiguous tensors
+  ``[kv_heads, n, head_dim]`` in logical (cache) order.  Eviction is a gather
+  (:meth:`ContiguousKVCache.keep`, which builds new tensors: the "shift"), new tokens are
+  concatenated at the end (:meth:`ContiguousKVCache.append`).
+* :func:`forward_step` is a manual forward of a Hugging Face Llama-style decoder
+  (``LlamaForCausalLM``: embed_tokens, per layer input_layernorm, q/k/v/o_proj, rotary embedding,
+  post_attention_layernorm, mlp, final norm, lm_head; GQA) over ``q`` new tokens against the
+  cache, with eager softmax attention computed in fp32.  The caller controls the RoPE positions
+  of queries and keys and, optionally, receives the attention probabilities of the step.
+* :class:`BudgetedReference` is the generation driver shared by the token-eviction policies: the
+  unified step rule (budget ``B``, lazy pruning interval ``R``), the two position modes, full or
+  chunked ("streaming") prefill, greedy generation with logprobs and margins.  A policy overrides
+  only :meth:`BudgetedReference.choose_keep` (which tokens survive) and, if it needs scores,
+  :meth:`BudgetedReference.on_step` (set ``needs_attentions = True`` to get the attention
+  probabilities there).
+
+Cache orientation.  The cache stores keys either *after* RoPE (``rope="post"``: each key is
+rotated once, when written, at the position the step gives it; this is the "original" positions
+mode) or *before* RoPE (``rope="pre"``: raw keys are cached and every step rotates all of them at
+the key positions it is given; this is how StreamingLLM's own code implements positions inside
+the cache).  In both cases the cache also records each token's original absolute position
+(``cache.positions``), which is bookkeeping only.
+
+Tie-breaking rule for score-based policies (see :func:`lowest_scores_first`): when scores are
+equal, the *oldest* token (lowest cache index) is evicted first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from torch import nn
+
+__all__ = [
+    "ContiguousKVCache",
+    "StepOutput",
+    "ReferenceOutput",
+    "BudgetedReference",
+    "forward_step",
+    "compute_logits",
+    "rotate",
+    "rope_cos_sin",
+    "lowest_scores_first",
+    "load_reference_model",
+]
+
+POSITION_MODES = ("original", "cache")
+PREFILL_MODES = ("full", "streaming")
+
+# Query rows processed per block in the attention of one step (memory bound only; each row's
+# softmax is independent, so blocking does not change the result).
+_ATTN_QUERY_BLOCK = 512
+# Rows of hidden states projected to the vocabulary at once when computing prompt logprobs.
+_LOGITS_ROW_BLOCK = 256
+
+
+# ---------------------------------------------------------------------------------------------
+# Cache
+# ---------------------------------------------------------------------------------------------
+
+
+class ContiguousKVCache:
+    """Per-layer contiguous KV store: ``k[l]``, ``v[l]`` are ``[kv_heads, n, head_dim]``.
+
+    ``positions[l]`` is ``[kv_heads, n]`` (long): the original absolute position of each cached
+    token (bookkeeping; per head so that head-wise policies such as H2O can keep different
+    tokens in different heads, as long as every head keeps the same number).
+
+    ``rope`` is ``"post"`` (keys cached after RoPE) or ``"pre"`` (keys cached before RoPE; the
+    forward rotates them at the key positions of each step).
+    """
+
+    def __init__(self, num_layers: int, rope: str = "post") -> None:
+        if rope not in ("post", "pre"):
+            raise ValueError(f"rope must be 'post' or 'pre', got {rope!r}")
+        self.num_layers = num_layers
+        self.rope = rope
+        self.k: list[torch.Tensor | None] = [None] * num_layers
+        self.v: list[torch.Tensor | None] = [None] * num_layers
+        self.positions: list[torch.Tensor | None] = [None] * num_layers
+
+    # -- sizes ---------------------------------------------------------------------------------
+    def layer_len(self, layer: int) -> int:
+        k = self.k[layer]
+        return 0 if k is None else int(k.shape[1])
+
+    def __len__(self) -> int:
+        """Number of cached tokens (the same in every layer and head for the policies here)."""
+        n = self.layer_len(0)
+        for layer in range(1, self.num_layers):
+            if self.layer_len(layer) != n:
+                raise RuntimeError("layers hold different numbers of tokens; use layer_len()")
+        return n
+
+    # -- update --------------------------------------------------------------------------------
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """Append new tokens at the end: ``k``, ``v`` ``[kv_heads, q, head_dim]``,
+        ``positions`` ``[q]`` or ``[kv_heads, q]`` (original absolute positions)."""
+        if positions.dim() == 1:
+            positions = positions.unsqueeze(0).expand(k.shape[0], -1)
+        positions = positions.to(torch.long)
+        if self.k[layer] is None:
+            self.k[layer], self.v[layer] = k.contiguous(), v.contiguous()
+            self.positions[layer] = positions.contiguous()
+        else:
+            self.k[layer] = torch.cat([self.k[layer], k], dim=1)
+            self.v[layer] = torch.cat([self.v[layer], v], dim=1)
+            self.positions[layer] = torch.cat([self.positions[layer], positions], dim=1)
+
+    def keep_layer(self, layer: int, indices: torch.Tensor) -> None:
+        """Keep only the tokens at ``indices`` (cache indices) of one layer, gathering them into
+        new contiguous tensors.  ``indices`` is ``[m]`` (same tokens in every head) or
+        ``[kv_heads, m]`` (per head).  Indices are sorted first, so the survivors stay in cache
+        (logical) order whatever order the caller gives."""
+        k = self.k[layer]
+        if k is None:
+            if indices.numel():
+                raise IndexError("keep() on an empty cache")
+            return
+        h, _, d = k.shape
+        indices = indices.to(device=k.device, dtype=torch.long)
+        if indices.dim() == 1:
+            indices = torch.sort(indices).values
+            self.k[layer] = k.index_select(1, indices)
+            self.v[layer] = self.v[layer].index_select(1, indices)
+            self.positions[layer] = self.positions[layer].index_select(1, indices)
+        elif indices.dim() == 2 and indices.shape[0] == h:
+            indices = torch.sort(indices, dim=1).values
+            idx3 = indices.unsqueeze(-1).expand(h, indices.shape[1], d)
+            self.k[layer] = torch.gather(k, 1, idx3)
+            self.v[layer] = torch.gather(self.v[layer], 1, idx3)
+            self.positions[layer] = torch.gather(self.positions[layer], 1, indices)
+        else:
+            raise ValueError(f"indices must be [m] or [kv_heads={h}, m], got {tuple(indices.shape)}")
+
+    def keep(self, indices: torch.Tensor | Sequence[torch.Tensor]) -> None:
+        """Keep the tokens at ``indices`` in every layer: one tensor (``[m]`` or
+        ``[kv_heads, m]``) for all layers, or a sequence with one tensor per layer."""
+        if isinstance(indices, torch.Tensor):
+            indices = [indices] * self.num_layers
+        if len(indices) != self.num_layers:
+            raise ValueError("need one index tensor per layer")
+        for layer, idx in enumerate(indices):
+            self.keep_layer(layer, idx)
+
+    def token_positions(self, layer: int = 0, head: int = 0) -> list[int]:
+        """Original absolute positions of the cached tokens (cache order)."""
+        p = self.positions[layer]
+        return [] if p is None else p[head].tolist()
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepOutput:
+    """Result of one :func:`forward_step`.
+
+    ``hidden``: final-normed hidden states ``[q, hidden_size]`` (feed to :func:`compute_logits`).
+    ``attentions``: if requested, per layer the fp32 attention probabilities
+    ``[num_q_heads, q, n_keys]``, keys being the cache before the step (cache order) followed by
+    the ``q`` new tokens; masked (future) entries are 0.
+    """
+
+    hidden: torch.Tensor
+    attentions: list[torch.Tensor] | None = None
+
+
+def _decoder(model: nn.Module) -> nn.Module:
+    return model.model if hasattr(model, "model") else model
+
+
+def rope_cos_sin(model: nn.Module, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of the model's own rotary embedding at ``positions`` (any shape), returned with
+    shape ``positions.shape + [head_dim]`` (the model's RoPE variant and scaling apply)."""
+    rotary = _decoder(model).rotary_emb
+    flat = positions.reshape(1, -1).to(device=like.device, dtype=torch.long)
+    cos, sin = rotary(like, flat)
+    return cos.reshape(*positions.shape, -1), sin.reshape(*positions.shape, -1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Apply RoPE (the "rotate half" layout used by HF Llama): ``x`` ``[..., n, d]``,
+    ``cos``/``sin`` broadcastable to it."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def _attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_past: int, scale: float, want_probs: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Eager causal attention of ``q`` new tokens over ``n_past`` cached keys + themselves.
+
+    q ``[Hq, q, d]``, k/v ``[Hkv, n_past + q, d]``; GQA by grouping query heads (query head
+    ``h`` uses KV head ``h // (Hq // Hkv)``).  Scores, softmax and the weighted sum in fp32.
+    Returns the output ``[Hq, q, d]`` (fp32) and optionally the probabilities ``[Hq, q, n]``.
+    """
+    hq, nq, d = q.shape
+    hkv, nk, _ = k.shape
+    group = hq // hkv
+    qg = q.float().reshape(hkv, group, nq, d)
+    kf, vf = k.float(), v.float()
+    out = torch.empty(hkv, group, nq, d, dtype=torch.float32, device=q.device)
+    probs_all = torch.empty(hkv, group, nq, nk, dtype=torch.float32, device=q.device) if want_probs else None
+    key_idx = torch.arange(nk, device=q.device)
+    for start in range(0, nq, _ATTN_QUERY_BLOCK):
+        stop = min(nq, start + _ATTN_QUERY_BLOCK)
+        scores = torch.einsum("hgqd,hkd->hgqk", qg[:, :, start:stop], kf) * scale
+        # New token i (0-based in the step) sees the n_past cached keys and new tokens 0..i.
+        limit = n_past + torch.arange(start, stop, device=q.device)
+        allowed = key_idx.unsqueeze(0) <= limit.unsqueeze(1)  # [rows, nk]
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[:, :, start:stop] = torch.einsum("hgqk,hkd->hgqd", probs, vf)
+        if probs_all is not None:
+            probs_all[:, :, start:stop] = probs
+    out = out.reshape(hq, nq, d)
+    return out, (probs_all.reshape(hq, nq, nk) if probs_all is not None else None)
+
+
+@torch.inference_mode()
+def forward_step(
+    model: nn.Module,
+    input_ids: torch.Tensor | Sequence[int],
+    cache: ContiguousKVCache,
+    positions: torch.Tensor | Sequence[int],
+    *,
+    query_rope_positions: torch.Tensor | Sequence[int] | None = None,
+    key_rope_positions: torch.Tensor | Sequence[int] | None = None,
+    output_attentions: bool = False,
+) -> StepOutput:
+    """Run ``q`` new tokens through the decoder against ``cache`` and append their K/V to it.
+
+    ``positions`` ``[q]``: the tokens' original absolute positions (stored in the cache).
+    ``query_rope_positions`` ``[q]``: positions at which the queries are rotated (default:
+    ``positions``).  With a ``rope="post"`` cache the new keys are rotated at the same positions
+    as their queries before being cached.  With a ``rope="pre"`` cache, raw keys are cached and
+    all keys of the step (cache then new) are rotated at ``key_rope_positions``
+    (``[n + q]`` or ``[kv_heads, n + q]``; default ``0..n+q-1``, i.e. positions in the cache).
+
+    Each new token attends to the whole cache plus the new tokens up to itself (causal).
+    """
+    dec = _decoder(model)
+    device = dec.embed_tokens.weight.device
+    ids = torch.as_tensor(input_ids, dtype=torch.long, device=device).reshape(-1)
+    pos = torch.as_tensor(positions, dtype=torch.long, device=device).reshape(-1)
+    nq = ids.shape[0]
+    if pos.shape[0] != nq:
+        raise ValueError("positions must have one entry per input token")
+    qpos = pos if query_rope_positions is None else torch.as_tensor(query_rope_positions, dtype=torch.long, device=device).reshape(-1)
+
+    h = dec.embed_tokens(ids)  # [q, hidden]
+    n_past = len(cache)
+    cos_q, sin_q = rope_cos_sin(model, qpos, h)  # [q, d]
+    if cache.rope == "pre":
+        if key_rope_positions is None:
+            kpos = torch.arange(n_past + nq, device=device)
+        else:
+            kpos = torch.as_tensor(key_rope_positions, dtype=torch.long, device=device)
+        if kpos.shape[-1] != n_past + nq:
+            raise ValueError("key_rope_positions must cover the cache and the new tokens")
+        cos_k, sin_k = rope_cos_sin(model, kpos, h)  # [n+q, d] or [Hkv, n+q, d]
+
+    attentions: list[torch.Tensor] | None = [] if output_attentions else None
+    for layer_idx, layer in enumerate(dec.layers):
+        attn = layer.self_attn
+        d = attn.head_dim
+        x = layer.input_layernorm(h)
+        q = attn.q_proj(x).view(nq, -1, d).transpose(0, 1)  # [Hq, q, d]
+        k = attn.k_proj(x).view(nq, -1, d).transpose(0, 1)  # [Hkv, q, d]
+        v = attn.v_proj(x).view(nq, -1, d).transpose(0, 1)
+        if getattr(attn, "q_norm", None) is not None:  # Qwen3-style per-head norms
+            q = attn.q_norm(q)
+        if getattr(attn, "k_norm", None) is not None:
+            k = attn.k_norm(k)
+        q = rotate(q, cos_q, sin_q)
+        if cache.rope == "post":
+            k = rotate(k, cos_q, sin_q)
+            cache.append(layer_idx, k, v, pos)
+            keys = cache.k[layer_idx]
+        else:
+            cache.append(layer_idx, k, v, pos)
+            keys = rotate(cache.k[layer_idx], cos_k, sin_k)
+        values = cache.v[layer_idx]
+        scale = getattr(attn, "scaling", d**-0.5)
+        o, probs = _attention(q, keys, values, n_past, scale, output_attentions)
+        if attentions is not None:
+            attentions.append(probs)
+        o = o.to(h.dtype).transpose(0, 1).reshape(nq, -1)
+        h = h + attn.o_proj(o)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return StepOutput(hidden=dec.norm(h), attentions=attentions)
+
+
+@torch.inference_mode()
+def compute_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """fp32 logits ``[rows, vocab]`` from final-normed hidden states ``[rows, hidden]``."""
+    return model.lm_head(hidden).float()
+
+
+def lowest_scores_first(scores: torch.Tensor) -> torch.Tensor:
+    """Cache indices ordered from first victim to last: ascending score, ties broken by age
+    (the oldest token, i.e. the lowest cache index, goes first).  ``scores`` ``[..., n]``."""
+    return torch.sort(scores, dim=-1, stable=True).indices
+
+
+# ---------------------------------------------------------------------------------------------
+# Generation driver
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ReferenceOutput:
+    """What a reference generation returns.
+
+    ``token_ids``/``logprobs``/``margins``: one entry per generated token (greedy); the logprob
+    is ``log_softmax`` of the fp32 logits at the chosen token, the margin the top-1 minus top-2
+    logit.  ``prompt_logprobs``: ``None`` for the first prompt token, then the logprob of each
+    prompt token given the ones before (as computed under the policy); ``None`` if not asked.
+    ``kept_sizes``: for each decode step (``max_new_tokens - 1`` of them: the first generated
+    token comes from the prompt's logits, the last one is never fed back), the number of keys the
+    decode query attends to, i.e. ``len(cache)`` after eviction plus the new token.
+    """
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    margins: list[float] = field(default_factory=list)
+    prompt_logprobs: list[float | None] | None = None
+    kept_sizes: list[int] = field(default_factory=list)
+
+
+class BudgetedReference:
+    """Generation driver for a token-eviction policy on a contiguous cache.
+
+    Unified step rule.  Every step processes ``q`` new tokens (``q = 1`` for decode, a chunk for
+    prefill).  Before the step, if ``len(cache) + q > B + R - 1`` and ``len(cache) > B - 1``,
+    the policy's :meth:`choose_keep` picks ``B - 1`` survivors and the rest are evicted.  Then
+    the ``q`` tokens are appended and attend causally to the kept cache and to each other.
+    ``budget=None`` disables eviction (plain full-cache decoding through the same forward).
+
+    Positions: ``"original"`` rotates every key once at its absolute position (post-RoPE cache)
+    and queries at their absolute positions.  ``"cache"`` caches raw keys and, at every step,
+    rotates the kept cache at ``0..n-1`` (cache order, ``n`` after eviction) and the new tokens
+    (keys and queries) at ``n..n+q-1``.
+
+    Prefill: ``"full"`` is one step over the whole prompt (cache empty, so no eviction);
+    ``"streaming"`` splits the prompt into consecutive chunks of ``prefill_chunk`` tokens (the
+    last one shorter), each one step under the rule.
+
+    Subclasses implement :meth:`choose_keep` and may override :meth:`on_step`.
+    """
+
+    #: set to True in a subclass whose :meth:`on_step` needs the attention probabilities
+    needs_attentions: bool = False
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        budget: int | None,
+        prune_interval: int = 1,
+        positions: str = "original",
+        prefill: str = "full",
+        prefill_chunk: int = 256,
+    ) -> None:
+        if budget is not None and (not isinstance(budget, int) or budget < 1):
+            raise ValueError(f"budget must be a positive int or None, got {budget!r}")
+        if not isinstance(prune_interval, int) or prune_interval < 1:
+            raise ValueError(f"prune_interval must be an int >= 1, got {prune_interval!r}")
+        if positions not in POSITION_MODES:
+            raise ValueError(f"positions must be one of {POSITION_MODES}, got {positions!r}")
+        if prefill not in PREFILL_MODES:
+            raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
+        if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
+        self.model = model
+        self.budget = budget
+        self.prune_interval = prune_interval
+        self.positions = positions
+        self.prefill = prefill
+        self.prefill_chunk = prefill_chunk
+        self.num_layers = len(_decoder(model).layers)
+        self.reset()
+
+    # -- state ---------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget everything: empty cache, next absolute position 0."""
+        self.cache = ContiguousKVCache(self.num_layers, rope="pre" if self.positions == "cache" else "post")
+        self.next_position = 0  # absolute position of the next token
+        self.tokens_seen = 0
+        self.last_kept = 0  # len(cache) after the last step (kept before it + its new tokens)
+
+    # -- policy hooks --------------------------------------------------------------------------
+    def choose_keep(self, n_keep: int) -> torch.Tensor | Sequence[torch.Tensor]:
+        """Return the cache indices of the ``n_keep`` survivors (``[n_keep]`` for all layers and
+        heads, ``[kv_heads, n_keep]`` per head, or one of those per layer)."""
+        raise NotImplementedError
+
+    def on_step(self, out: StepOutput, num_new: int) -> None:
+        """Called after every step (e.g. to accumulate attention scores)."""
+
+    def should_evict(self, n: int, q: int) -> bool:
+        """The unified lazy rule: evict before a step of ``q`` tokens on a cache of ``n``."""
+        if self.budget is None:
+            return False
+        b, r = self.budget, self.prune_interval
+        return n + q > b + r - 1 and n > b - 1
+
+    # -- one step ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self, token_ids: Sequence[int]) -> StepOutput:
+        """Apply the eviction rule, then process ``token_ids`` as one step; returns the step's
+        output (hidden states of the new tokens)."""
+        q = len(token_ids)
+        if q == 0:
+            raise ValueError("a step needs at least one token")
+        n = len(self.cache)
+        if self.should_evict(n, q):
+            self.cache.keep(self.choose_keep(self.budget - 1))
+            n = len(self.cache)
+        pos = torch.arange(self.next_position, self.next_position + q)
+        if self.positions == "cache":
+            out = forward_step(
+                self.model, token_ids, self.cache, pos,
+                query_rope_positions=torch.arange(n, n + q),
+                key_rope_positions=torch.arange(n + q),
+                output_attentions=self.needs_attentions,
+            )
+        else:
+            out = forward_step(self.model, token_ids, self.cache, pos, output_attentions=self.needs_attentions)
+        self.next_position += q
+        self.tokens_seen += q
+        self.last_kept = n + q
+        self.on_step(out, q)
+        return out
+
+    # -- generation ----------------------------------------------------------------------------
+    def _prompt_chunks(self, prompt_ids: Sequence[int]) -> list[list[int]]:
+        if self.prefill == "full":
+            return [list(prompt_ids)]
+        c = self.prefill_chunk
+        return [list(prompt_ids[i : i + c]) for i in range(0, len(prompt_ids), c)]
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *, prompt_logprobs: bool = True) -> ReferenceOutput:
+        """Prefill ``prompt_ids`` and generate ``max_new_tokens`` greedy tokens (EOS ignored).
+
+        Greedy ties (exactly equal logits) go to the lowest token id (``torch.argmax``)."""
+        prompt_ids = [int(t) for t in prompt_ids]
+        if not prompt_ids:
+            raise ValueError("empty prompt")
+        if max_new_tokens < 0:
+            raise ValueError("max_new_tokens must be >= 0")
+        self.reset()
+        result = ReferenceOutput(prompt_logprobs=[None] if prompt_logprobs else None)
+        start = 0
+        last_logits = None
+        for chunk in self._prompt_chunks(prompt_ids):
+            out = self.step(chunk)
+            if prompt_logprobs:
+                # row i of the chunk predicts prompt token start + i + 1
+                targets = prompt_ids[start + 1 : start + len(chunk) + 1]
+                for r0 in range(0, len(targets), _LOGITS_ROW_BLOCK):
+                    r1 = min(len(targets), r0 + _LOGITS_ROW_BLOCK)
+                    lp = torch.log_softmax(compute_logits(self.model, out.hidden[r0:r1]), dim=-1)
+                    tgt = torch.tensor(targets[r0:r1], device=lp.device)
+                    result.prompt_logprobs.extend(lp.gather(1, tgt[:, None])[:, 0].tolist())
+            start += len(chunk)
+            last_logits = compute_logits(self.model, out.hidden[-1:])[0]
+
+        logits = last_logits
+        for t in range(max_new_tokens):
+            top = torch.topk(logits, 2)
+            token = int(torch.argmax(logits))
+            result.token_ids.append(token)
+            result.logprobs.append(float(torch.log_softmax(logits, dim=-1)[token]))
+            result.margins.append(float(top.values[0] - top.values[1]))
+            if t == max_new_tokens - 1:
+                break
+            out = self.step([token])
+            result.kept_sizes.append(self.last_kept)
+            logits = compute_logits(self.model, out.hidden[-1:])[0]
+        return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+
+def load_reference_model(model_dir: str, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Load a Hugging Face causal LM (a ``LlamaForCausalLM`` for the models of this project)
+    from a local folder: eager attention, eval mode, gradients off."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="eager")
+    model.eval()
+    model.requires_grad_(False)
+    return model
