@@ -18,7 +18,8 @@ class KVPruneCPUModelRunner(CPUModelRunner):
         runtime.install(self.kv_state)
 
     def _update_states(self, scheduler_output):
-        for request_id in scheduler_output.finished_req_ids:
+        # A preempted request lost its blocks; it re-prefills from scratch when resumed.
+        for request_id in (*scheduler_output.finished_req_ids, *(scheduler_output.preempted_req_ids or ())):
             self.kv_state.drop(request_id)
         return super()._update_states(scheduler_output)
 

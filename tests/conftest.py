@@ -1,0 +1,77 @@
+"""Shared set-up: offline, in-process engines (so tests can read the scheduler and the
+worker), invariant checks on, and helpers to build engines from the offline models."""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_KVPRUNE_DEBUG", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+
+import pytest  # noqa: E402
+
+VENV_BIN = Path(sys.executable).parent
+BLOCK_SIZE = 32
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> str:
+    from vllm_kvprune import assets
+
+    return str(assets.tiny_model_dir())
+
+
+@pytest.fixture(scope="session")
+def real_model() -> str:
+    from vllm_kvprune import assets
+
+    return str(assets.real_model_dir())
+
+
+def make_llm(model: str, policy: dict | None = None, *, kv_blocks: int = 512, **kwargs):
+    """An in-process engine; `kv_blocks` sizes the KV pool exactly."""
+    from vllm import LLM
+
+    options = dict(dtype="float32", enforce_eager=True, block_size=BLOCK_SIZE, max_model_len=4096,
+                   max_num_seqs=32, enable_prefix_caching=False)
+    options.update(kwargs)
+    options["kv_cache_memory_bytes"] = kv_blocks * page_bytes(model, options)
+    if policy is not None:
+        options["additional_config"] = {"kv_policy": policy}
+    return LLM(model=model, **options)
+
+
+def page_bytes(model: str, options: dict) -> int:
+    """Bytes of one KV block over all layers (what vLLM divides the pool by)."""
+    import json
+
+    config = json.loads((Path(model) / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    dtype_bytes = 4 if options["dtype"] == "float32" else 2
+    return 2 * options["block_size"] * config["num_key_value_heads"] * head_dim * dtype_bytes * config["num_hidden_layers"]
+
+
+@contextmanager
+def engine(model: str, policy: dict | None = None, **kwargs):
+    llm = make_llm(model, policy, **kwargs)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def scheduler_of(llm):
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def runner_of(llm):
+    return llm.llm_engine.model_executor.driver_worker.worker.model_runner

@@ -1,0 +1,67 @@
+"""Smoke test of `python -m vllm_kvprune.bench throughput --quick` (tiny model).
+
+Checks what the bench reports, never how fast anything ran: every configuration is
+present with positive tokens/s and all of its tokens, and in the memory-bound setting
+`streaming` keeps more requests running at once than `none`, within its block cap.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_kvprune.bench.throughput import MEMORY_BOUND, OVERHEAD, QUICK_DEFAULTS
+
+
+def run_quick_bench(out_stem: Path) -> dict:
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    }
+    command = [sys.executable, "-m", "vllm_kvprune.bench", "throughput", "--quick", "--out", str(out_stem)]
+    finished = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    return json.loads(out_stem.with_suffix(".json").read_text())
+
+
+@pytest.fixture(scope="module")
+def quick_results(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    stem = tmp_path_factory.mktemp("bench") / "throughput"
+    return run_quick_bench(stem), stem
+
+
+def rows_by_key(document: dict) -> dict[tuple[str, str, int | None], dict]:
+    return {(row["setting"], row["policy"], row["budget"]): row for row in document["rows"]}
+
+
+@pytest.mark.slow
+def test_quick_bench_reports_every_configuration(quick_results: tuple[dict, Path]) -> None:
+    document, stem = quick_results
+    rows = rows_by_key(document)
+    expected = {(MEMORY_BOUND, "none", None), (OVERHEAD, "none", None)}
+    expected |= {(MEMORY_BOUND, "streaming", budget) for budget in QUICK_DEFAULTS["budgets"]}
+    assert expected <= set(rows)
+    assert any(setting == OVERHEAD and policy == "streaming" for setting, policy, _ in rows)
+    for row in document["rows"]:
+        assert row["tokens_per_s"] > 0, row
+        assert row["output_tokens"] == row["requests"] * row["gen_tokens"], row
+    assert document["command"] and document["summary"]["overhead_ratio"] > 0
+    assert stem.with_suffix(".png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_streaming_runs_more_requests_at_once_when_memory_bound(quick_results: tuple[dict, Path]) -> None:
+    rows = rows_by_key(quick_results[0])
+    none = rows[(MEMORY_BOUND, "none", None)]
+    for budget in QUICK_DEFAULTS["budgets"]:
+        streaming = rows[(MEMORY_BOUND, "streaming", budget)]
+        assert streaming["peak_running"] > none["peak_running"], (streaming, none)
+        assert streaming["peak_request_blocks"] <= streaming["cap_blocks"], streaming
+        assert streaming["peak_blocks"] <= streaming["pool_blocks"], streaming

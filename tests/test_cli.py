@@ -1,0 +1,61 @@
+"""The `vllm-kvprune` command: a real process for every bad flag, the help and the version."""
+
+import subprocess
+
+import pytest
+
+from conftest import VENV_BIN
+
+CLI = str(VENV_BIN / "vllm-kvprune")
+
+
+def run(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([CLI, *args], capture_output=True, text=True, timeout=timeout)
+
+
+BAD_FLAGS = [
+    (["--kv-policy", "bogus"], "--kv-policy: unknown policy 'bogus'"),
+    (["--kv-policy", "streaming", "--kv-budget", "0"], "--kv-budget: must be positive"),
+    (["--kv-policy", "streaming", "--kv-budget", "-3"], "--kv-budget: must be positive"),
+    (["--kv-policy", "streaming", "--kv-budget", "lots"], "--kv-budget: must be an integer"),
+    (["--kv-policy", "streaming", "--kv-budget", "64", "--kv-sinks", "64"], "--kv-sinks: must be smaller than the budget"),
+    (["--kv-policy", "streaming", "--kv-budget", "16", "--block-size", "32"], "--kv-budget: 16 tokens cannot hold one KV block"),
+    (["--kv-policy", "streaming", "--kv-budget", "64", "--block-size", "48"], "--block-size: must be a multiple of 32"),
+    (["--kv-policy", "streaming", "--kv-budget", "64", "--kv-positions", "absolute"], "--kv-positions: must be one of"),
+    (["--kv-config", "/does/not/exist.yaml"], "--kv-config: file not found"),
+    (["--kv-policy", "h2o", "--kv-budget", "256"], "policy h2o is not available yet"),
+    (["--kv-policy", "gvote"], "policy gvote is not available yet"),
+]
+
+
+@pytest.mark.parametrize("flags, message", BAD_FLAGS, ids=[" ".join(f) for f, _ in BAD_FLAGS])
+def test_bad_flag_exits_2_with_one_line(tmp_path, flags, message):
+    result = run("serve", str(tmp_path), *flags)
+    assert result.returncode == 2, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("vllm-kvprune: error: ") and message in last, last
+    assert "Traceback" not in result.stderr
+
+
+def test_bad_yaml_key_names_the_key(tmp_path):
+    config = tmp_path / "kv.yaml"
+    config.write_text("name: streaming\nbudget: 64\nsink: 4\n")
+    result = run("serve", str(tmp_path), "--kv-config", str(config))
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert f"sink (in {config}): unknown setting" in last
+
+
+def test_serve_help_shows_the_kv_flags():
+    result = run("serve", "--help=all")
+    assert result.returncode == 0, result.stderr[-2000:]
+    for flag in ["--kv-policy", "--kv-budget", "--kv-sinks", "--kv-window", "--kv-prune-interval",
+                 "--kv-positions", "--kv-config"]:
+        assert flag in result.stdout
+    assert "KV policy (vllm-kvprune)" in result.stdout
+
+
+def test_version():
+    result = run("--version")
+    assert result.returncode == 0 and result.stdout.startswith("vllm-kvprune ")
+    assert "vllm" in result.stdout.split("(", 1)[1]

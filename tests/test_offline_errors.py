@@ -1,0 +1,27 @@
+"""`LLM(...)` raises ValueError with the same one-line messages, before any engine starts."""
+
+import pytest
+
+from conftest import make_llm
+
+BAD_POLICIES = [
+    ({"name": "bogus", "budget": 64}, "kv_policy.name: unknown policy 'bogus'"),
+    ({"name": "streaming", "budget": 0}, "kv_policy.budget: must be positive"),
+    ({"name": "streaming", "budget": 64, "sinks": 64}, "kv_policy.sinks: must be smaller than the budget"),
+    ({"name": "streaming", "budget": 16}, "kv_policy.budget: 16 tokens cannot hold one KV block"),
+    ({"name": "streaming", "budget": 64, "sinkz": 4}, "kv_policy.sinkz: unknown setting"),
+    ({"name": "h2o", "budget": 64}, "policy h2o is not available yet"),
+]
+
+
+@pytest.mark.parametrize("policy, message", BAD_POLICIES, ids=[str(p) for p, _ in BAD_POLICIES])
+def test_llm_rejects_bad_policy(tiny_model, policy, message):
+    with pytest.raises(ValueError) as info:
+        make_llm(tiny_model, policy)
+    assert message in str(info.value)
+
+
+def test_speculative_decoding_refused(tiny_model):
+    with pytest.raises(ValueError, match="cannot run with speculative decoding"):
+        make_llm(tiny_model, {"name": "streaming", "budget": 64},
+                 speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})

@@ -1,0 +1,94 @@
+"""A real `vllm-kvprune serve` with a policy: a bad per-request override is a 400 naming
+the field, and the server keeps serving the next (good) request."""
+
+import os
+import socket
+import subprocess
+import time
+
+import pytest
+import requests
+
+from conftest import VENV_BIN, page_bytes
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    port = _free_port()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    pool_bytes = 256 * page_bytes(tiny_model, {"dtype": "float32", "block_size": 32})
+    command = [str(VENV_BIN / "vllm-kvprune"), "serve", tiny_model, "--port", str(port), "--dtype", "float32",
+               "--enforce-eager", "--block-size", "32", "--max-model-len", "4096",
+               "--kv-cache-memory-bytes", str(pool_bytes),
+               "--kv-policy", "streaming", "--kv-budget", "64", "--kv-sinks", "4"]
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.time() + 240
+            while time.time() < deadline:
+                if process.poll() is not None:
+                    raise RuntimeError(f"server exited:\n{log.read_text()[-3000:]}")
+                try:
+                    if requests.get(f"{base}/health", timeout=2).status_code == 200:
+                        break
+                except requests.ConnectionError:
+                    pass
+                time.sleep(1)
+            else:
+                raise RuntimeError(f"server did not start:\n{log.read_text()[-3000:]}")
+            yield base, tiny_model
+        finally:
+            process.terminate()
+            process.wait(timeout=60)
+
+
+def _complete(base: str, model: str, xargs: dict | None, endpoint: str = "completions") -> requests.Response:
+    body = {"model": model, "max_tokens": 80, "temperature": 0, "ignore_eos": True}
+    if endpoint == "completions":
+        body["prompt"] = "The quick brown fox"
+    else:
+        body["messages"] = [{"role": "user", "content": "Say something."}]
+    if xargs is not None:
+        body["vllm_xargs"] = xargs
+    return requests.post(f"{base}/v1/{endpoint}", json=body, timeout=120)
+
+
+@pytest.mark.parametrize("xargs, field", [
+    ({"kv_budget": 0}, "kv_budget"),
+    ({"kv_budget": 16}, "kv_budget"),
+    ({"kv_budget": "many"}, "kv_budget"),
+    ({"kv_sinks": 64}, "kv_sinks"),
+    ({"kv_window": -1}, "kv_window"),
+    ({"kv_bugdet": 64}, "kv_bugdet"),
+])
+def test_bad_override_is_400_then_good_request_is_200(server, xargs, field):
+    base, model = server
+    bad = _complete(base, model, xargs)
+    assert bad.status_code == 400, bad.text
+    assert field in bad.json()["error"]["message"]
+    good = _complete(base, model, {"kv_budget": 96})
+    assert good.status_code == 200, good.text
+    assert good.json()["usage"]["completion_tokens"] == 80
+
+
+def test_chat_endpoint_validates_too(server):
+    base, model = server
+    assert _complete(base, model, {"kv_budget": 0}, "chat/completions").status_code == 400
+    assert _complete(base, model, {"kv_budget": 64}, "chat/completions").status_code == 200
+
+
+def test_per_request_budget_changes_the_output(server):
+    base, model = server
+    long = {"model": model, "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    small = requests.post(f"{base}/v1/completions", json={**long, "vllm_xargs": {"kv_budget": 32}}, timeout=120)
+    large = requests.post(f"{base}/v1/completions", json={**long, "vllm_xargs": {"kv_budget": 1024}}, timeout=120)
+    assert small.status_code == large.status_code == 200
+    assert small.json()["choices"][0]["text"] != large.json()["choices"][0]["text"]

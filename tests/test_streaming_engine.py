@@ -1,0 +1,214 @@
+"""The `streaming` policy in real vLLM engines: parity with the reference implementation,
+the engine-core invariants, per-request budgets, preemption and aborts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import BLOCK_SIZE, engine, runner_of, scheduler_of
+
+BUDGET = 64
+SINKS = 4
+CHUNK = 48
+GEN = 4 * BUDGET
+PROMPT_LENGTHS = (5, 100, 150)
+
+
+def prompts(lengths=PROMPT_LENGTHS, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(100, 30000, size=n).tolist() for n in lengths]
+
+
+def greedy(max_tokens: int = GEN, **extra_args):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0,
+                          extra_args=extra_args or None)
+
+
+def tokens_and_logprobs(output) -> tuple[list[int], list[float]]:
+    completion = output.outputs[0]
+    token_ids = list(completion.token_ids)
+    return token_ids, [completion.logprobs[i][t].logprob for i, t in enumerate(token_ids)]
+
+
+@pytest.fixture(scope="module")
+def reference_model(tiny_model):
+    from vllm_kvprune.reference.model import load_reference_model
+
+    torch.set_num_threads(2)
+    return load_reference_model(tiny_model)
+
+
+def assert_matches_reference(outputs, prompt_ids, model, **policy):
+    from vllm_kvprune.reference.streaming import StreamingLLMReference
+
+    reference = StreamingLLMReference(model, **policy)
+    for prompt, output in zip(prompt_ids, outputs):
+        expected = reference.generate(prompt, GEN, prompt_logprobs=False)
+        token_ids, logprobs = tokens_and_logprobs(output)
+        first_diff = next((i for i, (a, b) in enumerate(zip(token_ids, expected.token_ids)) if a != b), None)
+        assert first_diff is None, (
+            f"prompt of {len(prompt)}: first different token at step {first_diff}; "
+            f"the reference's top-1/top-2 margin there is {expected.margins[first_diff]:.2e}"
+        )
+        assert np.max(np.abs(np.array(logprobs) - np.array(expected.logprobs))) < 1e-3
+
+
+PARITY_CASES = [
+    (positions, interval, prefill)
+    for positions in ("original", "cache")
+    for interval in (1, 8)
+    for prefill in ("full", "streaming")
+]
+
+
+@pytest.mark.parametrize("positions, interval, prefill", PARITY_CASES,
+                         ids=[f"{p}-R{r}-{f}" for p, r, f in PARITY_CASES])
+def test_parity_with_reference(tiny_model, reference_model, positions, interval, prefill):
+    policy = dict(budget=BUDGET, sinks=SINKS, prune_interval=interval, positions=positions, prefill=prefill,
+                  prefill_chunk=CHUNK)
+    prompt_ids = prompts()
+    with engine(tiny_model, {"name": "streaming", **policy}) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], greedy(), use_tqdm=False)
+    assert_matches_reference(outputs, prompt_ids, reference_model, **policy)
+
+
+@pytest.fixture(scope="module")
+def streaming_llm(tiny_model):
+    with engine(tiny_model, {"name": "streaming", "budget": BUDGET, "sinks": SINKS}, kv_blocks=512) as llm:
+        yield llm
+
+
+def run_steps(llm, prompt_ids, params, on_step=None, abort=None) -> dict[str, object]:
+    """Drive the engine step by step; `on_step()` after each step, `abort` = (step, ids)."""
+    core = llm.llm_engine
+    for i, (prompt, sampling) in enumerate(zip(prompt_ids, params)):
+        core.add_request(str(i), {"prompt_token_ids": prompt}, sampling)
+    finished, step = {}, 0
+    while core.has_unfinished_requests():
+        for output in core.step():
+            if output.finished:
+                finished[output.request_id] = output
+        step += 1
+        if abort is not None and step == abort[0]:
+            core.abort_request(abort[1])
+        if on_step is not None:
+            on_step()
+    return finished
+
+
+def check_invariants(llm) -> None:
+    """Cap after prefill (scheduler), no slot held twice (worker)."""
+    scheduler, runner = scheduler_of(llm), runner_of(llm)
+    for request in scheduler.running:
+        policy = scheduler.request_policies[request.request_id]
+        if request.num_computed_tokens > request.num_prompt_tokens:
+            assert scheduler.held_blocks(request.request_id) <= policy.cap_blocks(BLOCK_SIZE)
+    owners: dict[int, str] = {}
+    for request_id, state in runner.kv_state.requests.items():
+        if request_id not in runner.requests:
+            continue
+        block_ids = np.array(runner.requests[request_id].block_ids[0])
+        slots = np.arange(state.slots.num_valid)
+        global_slots = block_ids[slots // BLOCK_SIZE] * BLOCK_SIZE + slots % BLOCK_SIZE
+        for slot in global_slots.tolist():
+            assert slot not in owners, f"slot {slot} held by {owners[slot]} and {request_id}"
+            owners[slot] = request_id
+
+
+def all_blocks_free(llm) -> bool:
+    pool = scheduler_of(llm).kv_cache_manager.block_pool
+    return pool.get_num_free_blocks() == pool.num_gpu_blocks - 1  # block 0 is the null block
+
+
+def test_invariants_during_a_mixed_batch(streaming_llm):
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(3, 300, size=32).tolist()
+    prompt_ids = prompts(lengths, seed=2)
+    params = [greedy(int(rng.integers(20, 200)), **({"kv_budget": int(rng.choice([32, 64, 128, 200]))}
+                                                     if i % 2 else {})) for i in range(32)]
+    batch_ids: set[str] = set()
+
+    def on_step() -> None:
+        batch_ids.update(scheduler_of(streaming_llm).requests)
+        check_invariants(streaming_llm)
+
+    finished = run_steps(streaming_llm, prompt_ids, params, on_step=on_step)
+    assert len(finished) == 32
+    assert all(len(finished[str(i)].outputs[0].token_ids) == params[i].max_tokens for i in range(32))
+    assert all_blocks_free(streaming_llm)
+    # vLLM tells the worker about finished requests on the next step; run one.
+    streaming_llm.generate([{"prompt_token_ids": [1, 2, 3]}], greedy(2), use_tqdm=False)
+    runner = runner_of(streaming_llm)
+    assert len(batch_ids) == 32 and not set(runner.kv_state.requests) & batch_ids
+    assert set(runner.kv_state.requests) <= set(runner.requests)
+
+
+def test_abort_midway_returns_every_block(streaming_llm):
+    prompt_ids = prompts((50, 120, 200, 10, 80, 300), seed=3)
+    params = [greedy(150)] * len(prompt_ids)
+    finished = run_steps(streaming_llm, prompt_ids, params, abort=(20, ["1", "3", "4"]),
+                         on_step=lambda: check_invariants(streaming_llm))
+    assert {"0", "2", "5"} <= set(finished)
+    assert all_blocks_free(streaming_llm)
+
+
+def test_mixed_budgets_equal_solo_runs(streaming_llm):
+    budgets = [32, 64, 96, 160]
+    prompt_ids = prompts((40, 90, 130, 20), seed=4)
+    batch = streaming_llm.generate([{"prompt_token_ids": p} for p in prompt_ids],
+                                   [greedy(200, kv_budget=b) for b in budgets], use_tqdm=False)
+    for prompt, budget, together in zip(prompt_ids, budgets, batch):
+        [alone] = streaming_llm.generate([{"prompt_token_ids": prompt}], greedy(200, kv_budget=budget),
+                                         use_tqdm=False)
+        assert together.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert len({tuple(o.outputs[0].token_ids) for o in batch}) == len(budgets)
+
+
+def test_preemption_recompute_is_exact(tiny_model, streaming_llm):
+    """8 short prompts all fit a 12-block pool, then each grows to its 3-block cap: preemptions."""
+    prompt_ids = prompts((10, 12, 20, 8, 100, 15, 25, 9), seed=5)
+    params = [greedy(200)] * len(prompt_ids)
+    expected = streaming_llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
+    most_preemptions = [0]
+
+    def watch() -> None:
+        for request in scheduler_of(llm).requests.values():
+            most_preemptions[0] = max(most_preemptions[0], request.num_preemptions)
+        check_invariants(llm)
+
+    with engine(tiny_model, {"name": "streaming", "budget": BUDGET, "sinks": SINKS}, kv_blocks=12 + 1) as llm:
+        finished = run_steps(llm, prompt_ids, params, on_step=watch)
+        assert all_blocks_free(llm)
+    assert most_preemptions[0] > 0, "the pool was meant to force preemption"
+    for i, want in enumerate(expected):
+        assert finished[str(i)].outputs[0].token_ids == want.outputs[0].token_ids
+
+
+def test_request_longer_than_the_whole_pool_completes(tiny_model, reference_model):
+    """8 blocks hold 256 tokens; the request runs 1200 (stock vLLM would refuse max_model_len)."""
+    from vllm_kvprune.reference.streaming import StreamingLLMReference
+
+    [prompt] = prompts((60,), seed=6)
+    with engine(tiny_model, {"name": "streaming", "budget": BUDGET, "sinks": SINKS}, kv_blocks=8 + 1) as llm:
+        [output] = llm.generate([{"prompt_token_ids": prompt}], greedy(1200), use_tqdm=False)
+        assert all_blocks_free(llm)
+    expected = StreamingLLMReference(reference_model, budget=BUDGET, sinks=SINKS).generate(
+        prompt, 1200, prompt_logprobs=False)
+    assert list(output.outputs[0].token_ids) == expected.token_ids
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("positions, interval, prefill", [("original", 1, "full"), ("cache", 8, "streaming")])
+def test_parity_real_model(real_model, positions, interval, prefill):
+    from vllm_kvprune.reference.model import load_reference_model
+
+    policy = dict(budget=BUDGET, sinks=SINKS, prune_interval=interval, positions=positions, prefill=prefill,
+                  prefill_chunk=CHUNK)
+    prompt_ids = prompts((20, 150), seed=7)
+    with engine(real_model, {"name": "streaming", **policy}, kv_blocks=256) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], greedy(), use_tqdm=False)
+    assert_matches_reference(outputs, prompt_ids, load_reference_model(real_model), **policy)
