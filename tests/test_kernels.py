@@ -32,6 +32,17 @@ HEAD_SIZES = (32, 64, 128)
 HEAD_COUNTS = (1, 2, 3, 8)
 MACHINE_HAS_AMX = torch.cpu._is_amx_tile_supported()
 
+
+@pytest.fixture(autouse=True)
+def single_thread():
+    """One torch thread for the small cases: on a shared machine every parallel region can
+    stall for a scheduler tick. The parallel paths have their own test."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 needs_extension = pytest.mark.skipif(
     not kernels.HAS_EXTENSION and os.environ.get("VLLM_KVPRUNE_NO_EXT") == "1",
     reason="built with VLLM_KVPRUNE_NO_EXT=1",
@@ -188,8 +199,27 @@ def test_extension_equals_reference(config: tuple, pattern: str) -> None:
     for isa in _isas(dtype, block_size, head_size):
         layout = probe_layout(dtype, block_size, head_size, isa)
         assert layout.tiling is not None, f"{isa} layout no longer tiled: fast path unused"
-        for tiling in (layout.tiling_list, []):  # tiled fast path, then the index-map path
+        # The index-map path ([] tiling) treats runs like any slots: scattered ones suffice.
+        tilings = (layout.tiling_list, []) if pattern == "scattered" else (layout.tiling_list,)
+        for tiling in tilings:
             _compare_extension_ops(layout, tiling, key, value, background, slots, head_slots, gen)
+
+
+@needs_extension
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_extension_parallel_paths(dtype: torch.dtype) -> None:
+    """Enough tokens for at::parallel_for to split the work over every thread: same bytes as
+    the reference, for shared and per-head slots, runs and scattered."""
+    torch.set_num_threads(max(2, torch.get_num_threads()))
+    config = (dtype, 128, 128, 8, 2048)
+    gen = torch.Generator().manual_seed(99)
+    num_blocks, run_slots = _geometry(config, gen, "runs")
+    scattered = _per_head_slots(2048, 8, num_blocks * 128, gen)
+    key, value = _random_tokens(2048, 8, 128, dtype, gen)
+    background = _random_cache(num_blocks, 8, 128, 128, dtype, gen)
+    for isa in _isas(dtype, 128, 128):
+        layout = probe_layout(dtype, 128, 128, isa)
+        _compare_extension_ops(layout, layout.tiling_list, key, value, background, run_slots, scattered, gen)
 
 
 def _compare_extension_ops(

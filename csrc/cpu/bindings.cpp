@@ -1,0 +1,32 @@
+// Registers the ops as torch.ops.kvprune.* (usable from Python, TorchScript and
+// torch.compile graphs) and gives the shared object a module init so that
+// `import vllm_kvprune._C` loads it; the module itself exposes nothing.
+#include <Python.h>
+#include <torch/library.h>
+
+#include "slot_ops.h"
+
+TORCH_LIBRARY(kvprune, m) {
+  m.def(
+      "write_slots(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slots, "
+      "Tensor key_offsets, Tensor value_offsets, int[] tiling) -> ()");
+  m.def(
+      "copy_slots(Tensor(a!) kv_cache, Tensor src_slots, Tensor dst_slots, "
+      "Tensor key_offsets, Tensor value_offsets, int[] tiling) -> ()");
+  m.def(
+      "read_slots(Tensor kv_cache, Tensor slots, Tensor key_offsets, Tensor value_offsets, "
+      "int[] tiling) -> (Tensor, Tensor)");
+  m.def("build_isa() -> str", &kvprune::build_isa);
+}
+
+TORCH_LIBRARY_IMPL(kvprune, CPU, m) {
+  m.impl("write_slots", &kvprune::write_slots);
+  m.impl("copy_slots", &kvprune::copy_slots);
+  m.impl("read_slots", &kvprune::read_slots);
+}
+
+static struct PyModuleDef kvprune_module = {PyModuleDef_HEAD_INIT, "_C",
+                                            "vllm_kvprune C++ ops (see torch.ops.kvprune)", -1,
+                                            nullptr};
+
+PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&kvprune_module); }

