@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_kvprune.bench.throughput import MEMORY_BOUND, OVERHEAD, QUICK_DEFAULTS
+MEMORY_BOUND, OVERHEAD = "memory-bound", "overhead"
 
 
 def run_quick_bench(out_stem: Path) -> dict:
@@ -38,7 +38,7 @@ def quick_results(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]
 
 
 def rows_by_key(document: dict) -> dict[tuple[str, str, int | None], dict]:
-    return {(row["setting"], row["policy"], row["budget"]): row for row in document["rows"]}
+    return {(row["setting"], row["policy"], row["budget"]): row for row in document["results"]}
 
 
 @pytest.mark.slow
@@ -46,21 +46,23 @@ def test_quick_bench_reports_every_configuration(quick_results: tuple[dict, Path
     document, stem = quick_results
     rows = rows_by_key(document)
     expected = {(MEMORY_BOUND, "none", None), (OVERHEAD, "none", None)}
-    expected |= {(MEMORY_BOUND, "streaming", budget) for budget in QUICK_DEFAULTS["budgets"]}
+    expected |= {(MEMORY_BOUND, "streaming", budget) for budget in document["settings"]["budgets"]}
     assert expected <= set(rows)
     assert any(setting == OVERHEAD and policy == "streaming" for setting, policy, _ in rows)
-    for row in document["rows"]:
+    for row in document["results"]:
         assert row["tokens_per_s"] > 0, row
         assert row["output_tokens"] == row["requests"] * row["gen_tokens"], row
-    assert document["command"] and document["summary"]["overhead_ratio"] > 0
+    assert "--quick" in document["machine"]["command"]
+    assert document["summary"]["overhead_ratio"] > 0
     assert stem.with_suffix(".png").stat().st_size > 0
 
 
 @pytest.mark.slow
 def test_streaming_runs_more_requests_at_once_when_memory_bound(quick_results: tuple[dict, Path]) -> None:
-    rows = rows_by_key(quick_results[0])
+    document = quick_results[0]
+    rows = rows_by_key(document)
     none = rows[(MEMORY_BOUND, "none", None)]
-    for budget in QUICK_DEFAULTS["budgets"]:
+    for budget in document["settings"]["budgets"]:
         streaming = rows[(MEMORY_BOUND, "streaming", budget)]
         assert streaming["peak_running"] > none["peak_running"], (streaming, none)
         assert streaming["peak_request_blocks"] <= streaming["cap_blocks"], streaming

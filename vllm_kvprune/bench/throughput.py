@@ -11,6 +11,19 @@ so the scheduler can be sampled after every step and no engine shares a process)
 - overhead: `streaming` with a budget above every request's length (nothing is evicted)
   against `none`, both on a pool that holds every request whole.
 
+Defaults (about 30 minutes on 2 idle cores): SmolLM2-135M in bf16, 8 requests of 128
+essay tokens + 4096 generated (`ignore_eos`), blocks of 32 tokens, `max_model_len` 8192,
+`max_num_seqs` 32, and a memory-bound pool of 288 blocks (9216 tokens; one block is vLLM's
+null block, and `none` needs 257 to admit `max_model_len` at all). A whole request needs
+132 blocks, so `none` holds 2 at once; it runs with `max_num_seqs` 2 (`--none-max-seqs
+fit`), its best setting: with 32, vLLM admits all 8, then preempts and recomputes them over
+and over and runs several times slower. Streaming keeps 9 / 17 / 33 blocks at budgets
+256 / 512 / 1024, so all 8 run at once. Overhead: 8 requests of 128 + 512 tokens, budget
+672, a pool that holds them all, best of 3 batches per engine. `--quick`: the tiny random
+Llama, 8 requests of 160 + 96 tokens on 33 blocks with stock `none` (which admits 6: the
+prompts fill the pool; `streaming` at budget 64 keeps 3 blocks each, so all 8 run), a
+couple of minutes.
+
 Per case: one warm-up request, then the whole batch is added to the engine and stepped
 to completion; tokens/s is output tokens over the wall clock of that loop. After every
 step the bench samples the running requests, the blocks in use and the blocks held by
@@ -24,6 +37,7 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -31,6 +45,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
+
+from tqdm import tqdm
 
 from vllm_kvprune.bench import common
 
@@ -94,6 +110,7 @@ class Case:
     policy: str
     budget: int | None
     workload: Workload
+    max_num_seqs: int | None = None  # overrides the engine's (None: keep it)
 
     @property
     def label(self) -> str:
@@ -111,6 +128,7 @@ class BatchStats:
 
     output_tokens: int = 0
     wall_s: float = 0.0
+    cpu_s: float = 0.0  # this process's CPU time over the batch: less sensitive to a busy box
     steps: int = 0
     running_sum: int = 0
     peak_running: int = 0
@@ -123,6 +141,10 @@ class BatchStats:
         return self.output_tokens / self.wall_s if self.wall_s else 0.0
 
     @property
+    def tokens_per_cpu_s(self) -> float:
+        return self.output_tokens / self.cpu_s if self.cpu_s else 0.0
+
+    @property
     def mean_running(self) -> float:
         return self.running_sum / self.steps if self.steps else 0.0
 
@@ -130,6 +152,7 @@ class BatchStats:
         return {
             **dataclasses.asdict(self),
             "tokens_per_s": self.tokens_per_s,
+            "tokens_per_cpu_s": self.tokens_per_cpu_s,
             "mean_running": self.mean_running,
         }
 
@@ -144,7 +167,7 @@ def build_llm(engine: EngineSettings, case: Case):
         enforce_eager=True,
         block_size=engine.block_size,
         max_model_len=engine.max_model_len,
-        max_num_seqs=engine.max_num_seqs,
+        max_num_seqs=case.max_num_seqs or engine.max_num_seqs,
         kv_cache_memory_bytes=case.workload.pool_blocks * engine.block_bytes(),
         enable_prefix_caching=False,
         seed=0,
@@ -245,7 +268,7 @@ def run_batch(llm, prompts: Sequence[list[int]], gen_tokens: int, tag: str, prog
     params = sampling_params(gen_tokens)
     stats = BatchStats()
     preemptions: dict[str, int] = {}
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     for index, prompt in enumerate(prompts):
         engine.add_request(f"{tag}-{index}", {"prompt_token_ids": list(prompt)}, params)
     while engine.has_unfinished_requests():
@@ -255,6 +278,7 @@ def run_batch(llm, prompts: Sequence[list[int]], gen_tokens: int, tag: str, prog
         sample_step(scheduler, stats, preemptions)
         progress.report(stats.output_tokens + tokens_in_flight(scheduler))
     stats.wall_s = time.perf_counter() - start
+    stats.cpu_s = time.process_time() - start_cpu
     stats.preemptions = sum(preemptions.values())
     progress.offset += stats.output_tokens
     progress.report(0, force=True)
@@ -307,11 +331,12 @@ class Plan:
 
 QUICK_DEFAULTS = dict(
     model="tiny", requests=8, prompt_tokens=160, gen_tokens=96, budgets=[64], pool_blocks=33,
-    max_model_len=1024, max_num_seqs=8, overhead_requests=4, overhead_gen_tokens=64, overhead_repeats=1,
+    max_model_len=1024, max_num_seqs=8, none_max_seqs="stock", overhead_requests=4, overhead_gen_tokens=64,
+    overhead_repeats=1,
 )
 FULL_DEFAULTS = dict(
-    model="real", requests=16, prompt_tokens=128, gen_tokens=4096, budgets=[256, 512, 1024],
-    pool_blocks=288, max_model_len=8192, max_num_seqs=32, overhead_requests=8,
+    model="real", requests=8, prompt_tokens=128, gen_tokens=4096, budgets=[256, 512, 1024],
+    pool_blocks=288, max_model_len=8192, max_num_seqs=32, none_max_seqs="fit", overhead_requests=8,
     overhead_gen_tokens=512, overhead_repeats=3,
 )
 
@@ -332,9 +357,23 @@ def overhead_pool_blocks(workload: Workload, max_model_len: int, block_size: int
     return max(workload.num_requests * per_request + 1, min_pool_blocks(max_model_len, block_size))
 
 
+def whole_requests_that_fit(workload: Workload, block_size: int) -> int:
+    """Requests whose full cache the pool holds at once (one block is vLLM's null block)."""
+    return max(1, (workload.pool_blocks - 1) // math.ceil(workload.request_tokens / block_size))
+
+
+def none_max_num_seqs(choice: str, workload: Workload, engine: EngineSettings) -> int:
+    """`fit`: as many as fit whole (no preemption); `stock`: the engine's max_num_seqs."""
+    if choice == "fit":
+        return min(engine.max_num_seqs, whole_requests_that_fit(workload, engine.block_size))
+    if choice == "stock":
+        return engine.max_num_seqs
+    return int(choice)
+
+
 def plan_cases(args: argparse.Namespace, engine: EngineSettings) -> tuple[Case, ...]:
     bound = Workload(args.requests, args.prompt_tokens, args.gen_tokens, args.pool_blocks)
-    cases = [Case(MEMORY_BOUND, "none", None, bound)]
+    cases = [Case(MEMORY_BOUND, "none", None, bound, none_max_num_seqs(args.none_max_seqs, bound, engine))]
     cases += [Case(MEMORY_BOUND, "streaming", budget, bound) for budget in args.budgets]
     free = Workload(args.overhead_requests, args.prompt_tokens, args.overhead_gen_tokens, 0, args.overhead_repeats)
     free = dataclasses.replace(free, pool_blocks=overhead_pool_blocks(free, engine.max_model_len, engine.block_size))
@@ -367,17 +406,18 @@ def build_plan(args: argparse.Namespace) -> Plan:
     return Plan(engine, plan_cases(args, engine))
 
 
-def child_env(verbose: bool) -> dict[str, str]:
+def child_env(verbose: bool, omp_wait_policy: str) -> dict[str, str]:
     env = {**os.environ}
     for name, value in CHILD_ENV.items():
         env.setdefault(name, value)
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    env["OMP_WAIT_POLICY"] = omp_wait_policy
     if verbose:
         env["VLLM_LOGGING_LEVEL"] = os.environ.get("VLLM_LOGGING_LEVEL", "INFO")
     return env
 
 
-def run_in_subprocess(engine: EngineSettings, case: Case, verbose: bool, bar) -> dict[str, Any]:
+def run_in_subprocess(engine: EngineSettings, case: Case, env: dict[str, str], verbose: bool, bar: tqdm) -> dict[str, Any]:
     """Run one case in a fresh interpreter, following its progress on `bar`.
 
     The child's log is shown only if it fails (or with --verbose).
@@ -391,15 +431,29 @@ def run_in_subprocess(engine: EngineSettings, case: Case, verbose: bool, bar) ->
                    str(files["spec.json"]), str(files["result.json"])]
         with files["child.log"].open("w") as log:
             output = None if verbose else log
-            child = subprocess.Popen(command, env=child_env(verbose), stdout=output, stderr=output)
-            follow_progress(child, files["progress"], bar)
+            child = subprocess.Popen(command, env=env, stdout=output, stderr=output)
+            try:
+                follow_progress(child, files["progress"], bar)
+            finally:
+                stop_child(child)
         if child.returncode != 0 or not files["result.json"].is_file():
             tail = "".join(files["child.log"].read_text().splitlines(keepends=True)[-40:])
             raise RuntimeError(f"{case.label} failed (exit {child.returncode}):\n{tail}")
         return json.loads(files["result.json"].read_text())
 
 
-def follow_progress(child: subprocess.Popen, progress: Path, bar) -> None:
+def stop_child(child: subprocess.Popen) -> None:
+    """Leave no engine behind when the bench is interrupted."""
+    if child.poll() is None:
+        child.terminate()
+        try:
+            child.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+
+def follow_progress(child: subprocess.Popen, progress: Path, bar: tqdm) -> None:
     """Wait for the child, moving the bar to the token count it reports."""
     while child.poll() is None:
         time.sleep(1.0)
@@ -420,6 +474,7 @@ def case_row(engine: EngineSettings, case: Case, measured: dict[str, Any]) -> di
         "prompt_tokens": case.workload.prompt_tokens,
         "gen_tokens": case.workload.gen_tokens,
         "pool_blocks": measured["usable_pool_blocks"],
+        "max_num_seqs": case.max_num_seqs or engine.max_num_seqs,
         **measured,
     }
 
@@ -453,16 +508,14 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def run_plan(plan: Plan, verbose: bool) -> list[dict[str, Any]]:
-    from tqdm import tqdm
-
+def run_plan(plan: Plan, env: dict[str, str], verbose: bool) -> list[dict[str, Any]]:
     rows = []
     for index, case in enumerate(plan.cases, start=1):
         workload = case.workload
         total = workload.num_requests * workload.gen_tokens * workload.repeats
         description = f"[{index}/{len(plan.cases)}] {case.label}"
         with tqdm(total=total, desc=description, unit="tok", leave=False, dynamic_ncols=True) as bar:
-            measured = run_in_subprocess(plan.engine, case, verbose, bar)
+            measured = run_in_subprocess(plan.engine, case, env, verbose, bar)
         rows.append(case_row(plan.engine, case, measured))
         tqdm.write(f"{description}: {measured['tokens_per_s']:.1f} tok/s, {measured['wall_s']:.0f} s timed, "
                    f"mean running {measured['mean_running']:.1f}, preemptions {measured['preemptions']}")
@@ -474,6 +527,7 @@ TABLE_COLUMNS = (
     ("setting", "setting", "{}"),
     ("policy", "policy", "{}"),
     ("budget", "budget", "{}"),
+    ("max seqs", "max_num_seqs", "{}"),
     ("tokens/s", "tokens_per_s", "{:.1f}"),
     ("vs none", "ratio_vs_none", "{:.2f}x"),
     ("peak running", "peak_running", "{}"),
@@ -532,6 +586,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"KV pool of the memory-bound cases, in blocks ({full['pool_blocks']})")
     add("--max-model-len", type=int, default=None, help=f"({full['max_model_len']})")
     add("--max-num-seqs", type=int, default=None, help=f"({full['max_num_seqs']})")
+    add("--none-max-seqs", type=seqs_choice, default=None, metavar="fit|stock|N",
+        help="max_num_seqs of the memory-bound `none` engine: fit = as many requests as the pool "
+             "holds whole, so none never preempts (default); stock = --max-num-seqs, where vLLM "
+             "admits everyone, then preempts and recomputes over and over (slow; --quick uses it)")
     add("--block-size", type=int, default=32)
     add("--sinks", type=int, default=4)
     add("--overhead-requests", type=int, default=None, help=f"({full['overhead_requests']})")
@@ -539,7 +597,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--overhead-repeats", type=int, default=None,
         help=f"timed batches per overhead engine, best kept ({full['overhead_repeats']})")
     add("--out", default=RESULT_STEM, help="results stem: writes STEM.json and STEM.png")
+    add("--omp-wait-policy", type=str.upper, choices=("PASSIVE", "ACTIVE"),
+        default=os.environ.get("OMP_WAIT_POLICY", "PASSIVE").upper(),
+        help="OMP_WAIT_POLICY of the engines (default PASSIVE, or the environment's): on a "
+             "shared box, spinning OpenMP barriers stall whenever another process takes a "
+             "core, which in one measurement here made a batch-2 decode 17x slower (2.4 vs 40 tok/s)")
     add("--verbose", action="store_true", help="show the engines' logs")
+
+
+def seqs_choice(text: str) -> str:
+    if text in ("fit", "stock") or (text.isdigit() and int(text) > 0):
+        return text
+    raise argparse.ArgumentTypeError(f"expected fit, stock or a positive integer, got {text!r}")
 
 
 def with_defaults(args: argparse.Namespace) -> argparse.Namespace:
@@ -564,6 +633,9 @@ def run_settings(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
         "overhead": dataclasses.asdict(plan.cases[-1].workload),
         "overhead_budget": plan.cases[-1].budget,
         "budgets": list(args.budgets),
+        "none_max_seqs": args.none_max_seqs,
+        "engine_env": {name: child_env(args.verbose, args.omp_wait_policy).get(name)
+                       for name in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU", "OMP_WAIT_POLICY")},
     }
 
 
@@ -611,9 +683,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     """Run every case, print the table, write the JSON and the plot."""
     plan = build_plan(with_defaults(args))
+    # A terminated bench unwinds (and so stops its engine child) instead of dying at once.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     load_before = os.getloadavg()
     started = time.perf_counter()
-    rows = run_plan(plan, args.verbose)
+    rows = run_plan(plan, child_env(args.verbose, args.omp_wait_policy), args.verbose)
     elapsed = time.perf_counter() - started
     report(args, plan, rows, {"run_s": elapsed, "load_before": load_before, "load_after": os.getloadavg()})
     return 0
