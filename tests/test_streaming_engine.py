@@ -215,7 +215,9 @@ def test_parity_real_model(real_model, positions, interval, prefill):
 
 
 def test_bad_request_override_raises_and_engine_goes_on(streaming_llm):
-    with pytest.raises(ValueError, match="kv_budget"):
+    from vllm.exceptions import VLLMValidationError
+
+    with pytest.raises(VLLMValidationError, match="kv_budget"):
         streaming_llm.generate([{"prompt_token_ids": [5, 6, 7]}], greedy(8, kv_budget=0), use_tqdm=False)
     [output] = streaming_llm.generate([{"prompt_token_ids": [5, 6, 7]}], greedy(8, kv_budget=64), use_tqdm=False)
     assert len(output.outputs[0].token_ids) == 8

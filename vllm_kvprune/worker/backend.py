@@ -80,7 +80,12 @@ class KVPruneImpl(CPUAttentionBackendImpl):
         if plan is not None:
             layout = _layout_of(layer, kv_cache)
             for state, token_index in plan.sink_captures:
-                state.sink_kv[layer.layer_name] = (key[token_index].clone(), value[token_index].clone())
+                # Sinks may arrive over several steps (a prompt shorter than `sinks`).
+                captured = (key[token_index].clone(), value[token_index].clone())
+                earlier = state.sink_kv.get(layer.layer_name)
+                if earlier is not None:
+                    captured = (torch.cat([earlier[0], captured[0]]), torch.cat([earlier[1], captured[1]]))
+                state.sink_kv[layer.layer_name] = captured
             if plan.pre_moves is not None:
                 kernels.copy_slots(kv_cache, *plan.pre_moves, layout)
             if plan.sink_anchors:
