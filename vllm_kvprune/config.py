@@ -133,6 +133,11 @@ class KVPolicyConfig:
         return dataclasses.replace(self, budget=budget)
 
     @property
+    def max_cached(self) -> int:
+        """Most tokens a request caches before lazy pruning evicts (budget + R - 1)."""
+        return self.budget + self.prune_interval - 1
+
+    @property
     def window_size(self) -> int:
         """Recent tokens kept next to the sinks."""
         return self.budget - self.sinks

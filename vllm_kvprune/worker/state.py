@@ -146,9 +146,9 @@ class _PlanBuilder:
                 post = evict_for(state, 1)
         else:
             assert num_new == 1, "a bounded request runs one token per step past its prompt"
-            kept_before_new = min(slots.num_valid, config.budget - 1)
             incoming = slots.num_valid + 1
-            if incoming > config.budget + config.prune_interval - 1:
+            if incoming > config.max_cached:
+                kept_before_new = config.budget - 1
                 victims = state.policy.victims(slots.logical, incoming - config.budget, config)
                 new_slot, pre = slots.replace(victims, num_computed)
                 new_slots = np.array([new_slot], np.int64)
@@ -195,7 +195,7 @@ def evict_for(state: RequestKVState, num_incoming: int) -> Moves:
     """Apply the step rule before `num_incoming` tokens arrive; compacts the survivors."""
     config, slots = state.config, state.slots
     keep = config.budget - 1
-    if slots.num_valid + num_incoming <= config.budget + config.prune_interval - 1 or slots.num_valid <= keep:
+    if slots.num_valid + num_incoming <= config.max_cached or slots.num_valid <= keep:
         return NO_MOVES
     return slots.compact(state.policy.survivors(slots.logical, keep, config))
 
