@@ -58,12 +58,21 @@ def page_bytes(model: str, options: dict) -> int:
     return 2 * options["block_size"] * config["num_key_value_heads"] * head_dim * dtype_bytes * config["num_hidden_layers"]
 
 
+_live_engines: list[str] = []
+
+
 @contextmanager
 def engine(model: str, policy: dict | None = None, **kwargs):
+    """One in-process engine at a time: shutting an engine down tears down vLLM's global
+    distributed state, which would break any other engine still open in this process."""
+    if _live_engines:
+        raise RuntimeError(f"an in-process engine ({_live_engines[0]}) is still open; close it first")
     llm = make_llm(model, policy, **kwargs)
+    _live_engines.append(f"{Path(model).name}, {policy}")
     try:
         yield llm
     finally:
+        _live_engines.pop()
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()

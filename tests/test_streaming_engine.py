@@ -76,7 +76,17 @@ def test_parity_with_reference(tiny_model, reference_model, positions, interval,
     assert_matches_reference(outputs, prompt_ids, reference_model, **policy)
 
 
-@pytest.fixture(scope="module")
+@pytest.mark.parametrize("interval", [1, 8])
+def test_prompt_shorter_than_the_sinks(tiny_model, reference_model, interval):
+    """The sinks then arrive over several decode steps; each step's capture must add to the last."""
+    policy = dict(budget=BUDGET, sinks=SINKS, prune_interval=interval, positions="cache")
+    prompt_ids = prompts((2, 1, 3), seed=8)
+    with engine(tiny_model, {"name": "streaming", **policy}) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], greedy(), use_tqdm=False)
+    assert_matches_reference(outputs, prompt_ids, reference_model, **policy)
+
+
+@pytest.fixture(scope="class")
 def streaming_llm(tiny_model):
     with engine(tiny_model, {"name": "streaming", "budget": BUDGET, "sinks": SINKS}, kv_blocks=512) as llm:
         yield llm
@@ -124,55 +134,69 @@ def all_blocks_free(llm) -> bool:
     return pool.get_num_free_blocks() == pool.num_gpu_blocks - 1  # block 0 is the null block
 
 
-def test_invariants_during_a_mixed_batch(streaming_llm):
-    rng = np.random.default_rng(1)
-    lengths = rng.integers(3, 300, size=32).tolist()
-    prompt_ids = prompts(lengths, seed=2)
-    params = [greedy(int(rng.integers(20, 200)), **({"kv_budget": int(rng.choice([32, 64, 128, 200]))}
-                                                     if i % 2 else {})) for i in range(32)]
-    batch_ids: set[str] = set()
+class TestSharedEngine:
+    """Tests that share one engine; it is closed when the class ends, before any other opens."""
 
-    def on_step() -> None:
-        batch_ids.update(scheduler_of(streaming_llm).requests)
-        check_invariants(streaming_llm)
+    def test_invariants_during_a_mixed_batch(self, streaming_llm):
+        rng = np.random.default_rng(1)
+        lengths = rng.integers(3, 300, size=32).tolist()
+        prompt_ids = prompts(lengths, seed=2)
+        params = [greedy(int(rng.integers(20, 200)), **({"kv_budget": int(rng.choice([32, 64, 128, 200]))}
+                                                         if i % 2 else {})) for i in range(32)]
+        batch_ids: set[str] = set()
 
-    finished = run_steps(streaming_llm, prompt_ids, params, on_step=on_step)
-    assert len(finished) == 32
-    assert all(len(finished[str(i)].outputs[0].token_ids) == params[i].max_tokens for i in range(32))
-    assert all_blocks_free(streaming_llm)
-    # vLLM tells the worker about finished requests on the next step; run one.
-    streaming_llm.generate([{"prompt_token_ids": [1, 2, 3]}], greedy(2), use_tqdm=False)
-    runner = runner_of(streaming_llm)
-    assert len(batch_ids) == 32 and not set(runner.kv_state.requests) & batch_ids
-    assert set(runner.kv_state.requests) <= set(runner.requests)
+        def on_step() -> None:
+            batch_ids.update(scheduler_of(streaming_llm).requests)
+            check_invariants(streaming_llm)
 
-
-def test_abort_midway_returns_every_block(streaming_llm):
-    prompt_ids = prompts((50, 120, 200, 10, 80, 300), seed=3)
-    params = [greedy(150)] * len(prompt_ids)
-    finished = run_steps(streaming_llm, prompt_ids, params, abort=(20, ["1", "3", "4"]),
-                         on_step=lambda: check_invariants(streaming_llm))
-    assert {"0", "2", "5"} <= set(finished)
-    assert all_blocks_free(streaming_llm)
+        finished = run_steps(streaming_llm, prompt_ids, params, on_step=on_step)
+        assert len(finished) == 32
+        assert all(len(finished[str(i)].outputs[0].token_ids) == params[i].max_tokens for i in range(32))
+        assert all_blocks_free(streaming_llm)
+        # vLLM tells the worker about finished requests on the next step; run one.
+        streaming_llm.generate([{"prompt_token_ids": [1, 2, 3]}], greedy(2), use_tqdm=False)
+        runner = runner_of(streaming_llm)
+        assert len(batch_ids) == 32 and not set(runner.kv_state.requests) & batch_ids
+        assert set(runner.kv_state.requests) <= set(runner.requests)
 
 
-def test_mixed_budgets_equal_solo_runs(streaming_llm):
-    budgets = [32, 64, 96, 160]
-    prompt_ids = prompts((40, 90, 130, 20), seed=4)
-    batch = streaming_llm.generate([{"prompt_token_ids": p} for p in prompt_ids],
-                                   [greedy(200, kv_budget=b) for b in budgets], use_tqdm=False)
-    for prompt, budget, together in zip(prompt_ids, budgets, batch):
-        [alone] = streaming_llm.generate([{"prompt_token_ids": prompt}], greedy(200, kv_budget=budget),
-                                         use_tqdm=False)
-        assert together.outputs[0].token_ids == alone.outputs[0].token_ids
-    assert len({tuple(o.outputs[0].token_ids) for o in batch}) == len(budgets)
+    def test_abort_midway_returns_every_block(self, streaming_llm):
+        prompt_ids = prompts((50, 120, 200, 10, 80, 300), seed=3)
+        params = [greedy(150)] * len(prompt_ids)
+        finished = run_steps(streaming_llm, prompt_ids, params, abort=(20, ["1", "3", "4"]),
+                             on_step=lambda: check_invariants(streaming_llm))
+        assert {"0", "2", "5"} <= set(finished)
+        assert all_blocks_free(streaming_llm)
 
 
-def test_preemption_recompute_is_exact(tiny_model, streaming_llm):
-    """8 short prompts all fit a 12-block pool, then each grows to its 3-block cap: preemptions."""
+    def test_mixed_budgets_equal_solo_runs(self, streaming_llm):
+        budgets = [32, 64, 96, 160]
+        prompt_ids = prompts((40, 90, 130, 20), seed=4)
+        batch = streaming_llm.generate([{"prompt_token_ids": p} for p in prompt_ids],
+                                       [greedy(200, kv_budget=b) for b in budgets], use_tqdm=False)
+        for prompt, budget, together in zip(prompt_ids, budgets, batch):
+            [alone] = streaming_llm.generate([{"prompt_token_ids": prompt}], greedy(200, kv_budget=budget),
+                                             use_tqdm=False)
+            assert together.outputs[0].token_ids == alone.outputs[0].token_ids
+        assert len({tuple(o.outputs[0].token_ids) for o in batch}) == len(budgets)
+
+
+    def test_bad_request_override_raises_and_engine_goes_on(self, streaming_llm):
+        from vllm.exceptions import VLLMValidationError
+
+        with pytest.raises(VLLMValidationError, match="kv_budget"):
+            streaming_llm.generate([{"prompt_token_ids": [5, 6, 7]}], greedy(8, kv_budget=0), use_tqdm=False)
+        [output] = streaming_llm.generate([{"prompt_token_ids": [5, 6, 7]}], greedy(8, kv_budget=64), use_tqdm=False)
+        assert len(output.outputs[0].token_ids) == 8
+
+
+def test_preemption_recompute_is_exact(tiny_model, reference_model):
+    """8 short prompts all fit a 12-block pool, then each grows to its 3-block cap: preemptions.
+    Recompute must give what the reference gives, as if never preempted."""
+    from vllm_kvprune.reference.streaming import StreamingLLMReference
+
     prompt_ids = prompts((10, 12, 20, 8, 100, 15, 25, 9), seed=5)
     params = [greedy(200)] * len(prompt_ids)
-    expected = streaming_llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
     most_preemptions = [0]
 
     def watch() -> None:
@@ -184,8 +208,10 @@ def test_preemption_recompute_is_exact(tiny_model, streaming_llm):
         finished = run_steps(llm, prompt_ids, params, on_step=watch)
         assert all_blocks_free(llm)
     assert most_preemptions[0] > 0, "the pool was meant to force preemption"
-    for i, want in enumerate(expected):
-        assert finished[str(i)].outputs[0].token_ids == want.outputs[0].token_ids
+    reference = StreamingLLMReference(reference_model, budget=BUDGET, sinks=SINKS)
+    for i, prompt in enumerate(prompt_ids):
+        expected = reference.generate(prompt, 200, prompt_logprobs=False)
+        assert list(finished[str(i)].outputs[0].token_ids) == expected.token_ids, f"request {i}"
 
 
 def test_request_longer_than_the_whole_pool_completes(tiny_model, reference_model):
@@ -212,12 +238,3 @@ def test_parity_real_model(real_model, positions, interval, prefill):
     with engine(real_model, {"name": "streaming", **policy}, kv_blocks=256) as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], greedy(), use_tqdm=False)
     assert_matches_reference(outputs, prompt_ids, load_reference_model(real_model), **policy)
-
-
-def test_bad_request_override_raises_and_engine_goes_on(streaming_llm):
-    from vllm.exceptions import VLLMValidationError
-
-    with pytest.raises(VLLMValidationError, match="kv_budget"):
-        streaming_llm.generate([{"prompt_token_ids": [5, 6, 7]}], greedy(8, kv_budget=0), use_tqdm=False)
-    [output] = streaming_llm.generate([{"prompt_token_ids": [5, 6, 7]}], greedy(8, kv_budget=64), use_tqdm=False)
-    assert len(output.outputs[0].token_ids) == 8
