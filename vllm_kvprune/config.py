@@ -17,9 +17,11 @@ from typing import Any, Mapping
 
 ALL_POLICIES = ("none", "streaming", "h2o", "paged_eviction", "gvote", "fdc")
 # Policies whose mechanism is built; the others fail at start-up, never silently run as `none`.
-AVAILABLE_POLICIES = ("none", "streaming")
+AVAILABLE_POLICIES = ("none", "streaming", "paged_eviction")
 # Policies with a token budget; GVote picks its own per request, FDC keeps every token.
 BUDGETED_POLICIES = ("streaming", "h2o", "paged_eviction")
+# Policies that evict whole blocks at decode, each layer its own (the rest evict tokens).
+BLOCK_POLICIES = ("paged_eviction",)
 POSITION_MODES = ("original", "cache")
 PREFILL_MODES = ("full", "streaming")
 ADDITIONAL_CONFIG_KEY = "kv_policy"
@@ -130,6 +132,12 @@ class KVPolicyConfig:
             raise KVConfigError(
                 name_of("sinks"), f"must be smaller than the budget ({budget}), got {self.sinks}"
             )
+        if self.name in BLOCK_POLICIES:
+            # Scores come from keys cached at their original positions, after a whole prompt.
+            if self.positions != "original":
+                raise KVConfigError(name_of("positions"), f"policy {self.name!r} supports only 'original'")
+            if self.prefill != "full":
+                raise KVConfigError(name_of("prefill"), f"policy {self.name!r} supports only 'full'")
         return dataclasses.replace(self, budget=budget)
 
     @property
@@ -164,11 +172,27 @@ class KVPolicyConfig:
                 f"{self.budget} tokens cannot hold one KV block (block size {block_size}); "
                 f"use at least {block_size} or a smaller --block-size",
             )
+        if self.name in BLOCK_POLICIES:
+            # Sink blocks and the tail are never evicted; at least one other block must be.
+            needed = (self.protected_blocks(block_size) + 2) * block_size
+            if self.budget < needed:
+                raise KVConfigError(
+                    surface.name("budget"),
+                    f"{self.name} needs at least {needed} tokens with {self.sinks} sinks and block size "
+                    f"{block_size} (sink blocks + one evictable block + the tail block), got {self.budget}",
+                )
 
     # ---- capacity (the same pure function on scheduler and worker) ------------------
     def cap_blocks(self, block_size: int) -> int:
-        """Blocks a request keeps after prefill: the budget plus the lazy-pruning slack."""
+        """Blocks a request keeps after prefill: the budget plus the lazy-pruning slack
+        (R - 1 spare blocks for block policies, which evict R blocks every R block fills)."""
+        if self.name in BLOCK_POLICIES:
+            return math.ceil(self.budget / block_size) + self.prune_interval - 1
         return math.ceil((self.budget + self.prune_interval) / block_size)
+
+    def protected_blocks(self, block_size: int) -> int:
+        """Leading blocks a block policy never evicts: those holding the sinks."""
+        return math.ceil(self.sinks / block_size)
 
     def prefill_cap_blocks(self, block_size: int) -> int | None:
         """Blocks a request may hold while its prompt is prefilled (None: unbounded)."""

@@ -16,6 +16,9 @@ class Policy:
     """
 
     name: str = "base"
+    # "token": one slot map for all layers (survivors/victims below); "block": each layer
+    # evicts its own whole blocks (see `PagedEvictionPolicy`).
+    granularity: str = "token"
 
     def survivors(self, logical: np.ndarray, keep: int, config: KVPolicyConfig) -> np.ndarray:
         """Slots to keep (at most `keep`), in the order they will be compacted to."""

@@ -3,6 +3,7 @@ with a contiguous per-layer cache.  See DESIGN.md section 7.
 
 * :mod:`.model`: shared plumbing (contiguous cache, manual forward, generation driver).
 * :mod:`.streaming`: StreamingLLM (``python -m vllm_kvprune.reference.streaming --help``).
+* :mod:`.paged_eviction`: PagedEviction (token pruning at prefill, block eviction at decode).
 """
 
 from .model import (
@@ -19,6 +20,7 @@ from .model import (
 __all__ = [
     "BudgetedReference",
     "ContiguousKVCache",
+    "PagedEvictionReference",
     "ReferenceOutput",
     "StepOutput",
     "StreamingLLMReference",
@@ -35,4 +37,8 @@ def __getattr__(name: str):
         from .streaming import StreamingLLMReference
 
         return StreamingLLMReference
+    if name == "PagedEvictionReference":
+        from .paged_eviction import PagedEvictionReference
+
+        return PagedEvictionReference
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

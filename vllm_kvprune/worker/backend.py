@@ -52,7 +52,19 @@ class KVPruneMetadataBuilder(CPUAttentionMetadataBuilder):
         )
         metadata = super().build(common_prefix_len, physical, fast_build)
         metadata.kvprune_plan = plan
+        metadata.kvprune_layer_tables = _layer_block_tables(metadata.block_table, plan, worker_state)
         return metadata
+
+
+def _layer_block_tables(block_table: torch.Tensor, plan: StepPlan, worker_state) -> torch.Tensor | None:
+    """`[layers, rows, cols]`: each layer's block table, rows reordered where its blocks are."""
+    if not plan.block_orders:
+        return None
+    num_layers = worker_state.scores.num_layers
+    columns = torch.arange(block_table.shape[1]).expand(num_layers, block_table.shape[0], -1).clone()
+    for row, order in plan.block_orders:
+        columns[:, row, : order.shape[1]] = torch.from_numpy(order)
+    return block_table.expand(num_layers, -1, -1).gather(2, columns)
 
 
 class KVPruneImpl(CPUAttentionBackendImpl):
@@ -77,6 +89,9 @@ class KVPruneImpl(CPUAttentionBackendImpl):
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         plan = self._plan(layer)
+        if plan is not None and plan.layer_slot_mapping is not None:
+            self._write_scored(layer, key, value, kv_cache, plan)
+            return
         if plan is not None:
             layout = _layout_of(layer, kv_cache)
             for state, token_index in plan.sink_captures:
@@ -92,12 +107,49 @@ class KVPruneImpl(CPUAttentionBackendImpl):
                 self._reanchor_sinks(layer, kv_cache, plan, layout)
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
 
+    def _write_scored(self, layer, key, value, kv_cache, plan: StepPlan) -> None:
+        """Block policies: this layer's own slots, and each new token's score beside it."""
+        worker_state = runtime.worker_state()
+        layer_index = worker_state.scores.layer_index[layer.layer_name]
+        slots = plan.layer_slot_mapping[layer_index]
+        num_tokens = len(slots)
+        key, value = key[:num_tokens], value[:num_tokens]
+        worker_state.scores.by_slot[layer_index, slots] = worker_state.policy.token_scores(key, value)
+        super().do_kv_cache_update(layer, key, value, kv_cache, slots)
+
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
-        output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         plan = getattr(attn_metadata, "kvprune_plan", None)
+        layer_tables = getattr(attn_metadata, "kvprune_layer_tables", None)
+        if layer_tables is not None:
+            layer_index = runtime.worker_state().scores.layer_index[layer.layer_name]
+            attn_metadata = dataclasses.replace(attn_metadata, block_table=layer_tables[layer_index])
+        output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         if plan is not None and plan.post_moves is not None:
             kernels.copy_slots(kv_cache, *plan.post_moves, _layout_of(layer, kv_cache))
+        if plan is not None and plan.prefill_compactions:
+            self._prune_prompts(layer, kv_cache, plan)
         return output
+
+    def _prune_prompts(self, layer, kv_cache, plan: StepPlan) -> None:
+        """After a prompt's last chunk has attended to all of it: keep each prompt's best
+        tokens of this layer, in order, in its first slots (scores move with them)."""
+        worker_state = runtime.worker_state()
+        scores = worker_state.scores
+        layer_index = scores.layer_index[layer.layer_name]
+        block_size = kv_cache.shape[2]
+        sources, destinations = [], []
+        for compaction in plan.prefill_compactions:
+            state, slots = compaction.state, compaction.prompt_slots
+            token_means = scores.token_means(layer_index, slots)
+            kept = state.policy.prefill_survivors(token_means, compaction.keep, state.config, block_size)
+            state.blocks.set_layer_survivors(layer_index, kept.numpy())
+            sources.append(slots[kept])
+            destinations.append(slots[: compaction.keep])
+        sources, destinations = torch.cat(sources), torch.cat(destinations)
+        moved = sources != destinations
+        sources, destinations = sources[moved], destinations[moved]
+        kernels.copy_slots(kv_cache, sources, destinations, _layout_of(layer, kv_cache))
+        scores.by_slot[layer_index, destinations] = scores.by_slot[layer_index, sources]
 
     def _reanchor_sinks(self, layer, kv_cache, plan: StepPlan, layout) -> None:
         keys, values, shifts, slots = [], [], [], []

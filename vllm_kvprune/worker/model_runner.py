@@ -17,6 +17,14 @@ class KVPruneCPUModelRunner(CPUModelRunner):
         self.kv_state = WorkerKVState(policy_from_vllm_config(vllm_config))
         runtime.install(self.kv_state)
 
+    def initialize_kv_cache(self, kv_cache_config, *args, **kwargs) -> None:
+        super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
+        if self.kv_state.policy is None:
+            return
+        [group] = kv_cache_config.kv_cache_groups  # one full-attention group with a policy
+        self.kv_state.bind_cache(list(group.layer_names), kv_cache_config.num_blocks,
+                                 group.kv_cache_spec.block_size, self.model_config.get_total_num_kv_heads())
+
     def _update_states(self, scheduler_output):
         # A preempted request lost its blocks; it re-prefills from scratch when resumed.
         for request_id in (*scheduler_output.finished_req_ids, *(scheduler_output.preempted_req_ids or ())):

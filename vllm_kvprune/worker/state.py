@@ -19,6 +19,7 @@ import torch
 
 from vllm_kvprune.config import KVPolicyConfig
 from vllm_kvprune.policies import Policy, get_policy
+from vllm_kvprune.worker.block_map import LayerBlockMap
 from vllm_kvprune.worker.slot_map import NO_MOVES, Moves, SlotMap
 
 DEBUG = os.environ.get("VLLM_KVPRUNE_DEBUG", "0") == "1"
@@ -35,6 +36,8 @@ class RequestKVState:
     sink_kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # The position shift the sink slots hold now (positions: cache).
     sink_shift: int = 0
+    # Block policies: each layer's block order (replaces `slots`, which stays empty).
+    blocks: LayerBlockMap | None = None
 
 
 @dataclass
@@ -57,6 +60,56 @@ class StepPlan:
     post_moves: tuple[torch.Tensor, torch.Tensor] | None = None  # after attention (prefill end)
     sink_captures: list[tuple[RequestKVState, torch.Tensor]] = field(default_factory=list)
     sink_anchors: list[SinkAnchor] = field(default_factory=list)
+    # Block policies: per-layer slots [layers, T], each row's block order where a layer's
+    # differs from the table's, and prompts each layer prunes after its attention.
+    layer_slot_mapping: torch.Tensor | None = None
+    block_orders: list[tuple[int, np.ndarray]] = field(default_factory=list)
+    prefill_compactions: list[PrefillCompaction] = field(default_factory=list)
+
+
+@dataclass
+class PrefillCompaction:
+    """Prune one request's prompt to `keep` tokens, each layer by its own scores."""
+
+    state: RequestKVState
+    prompt_slots: torch.Tensor  # [P] global slot of each prompt position
+    keep: int
+
+
+class LayerScores:
+    """Per-slot token scores of every layer, `[layers, num_blocks * block_size]`, indexed by
+    global slot like the cache itself, so a block's mean is one reshaped slice."""
+
+    def __init__(self, layer_names: list[str], num_blocks: int, block_size: int, total_kv_heads: int) -> None:
+        self.layer_index = {name: i for i, name in enumerate(layer_names)}
+        self.block_size = block_size
+        self.total_kv_heads = total_kv_heads
+        self.by_slot = torch.zeros(len(layer_names), num_blocks * block_size, dtype=torch.float32)
+
+    @property
+    def num_layers(self) -> int:
+        return self.by_slot.shape[0]
+
+    def block_means(self, block_ids: np.ndarray) -> torch.Tensor:
+        """Mean token score (over this and every other tensor-parallel rank's heads) of
+        each layer's blocks `[layers, n]`; every rank gets the same numbers, so every rank
+        drops the same blocks."""
+        per_block = self.by_slot.view(self.num_layers, -1, self.block_size)
+        layers = torch.arange(self.num_layers)[:, None]
+        sums = per_block[layers, torch.from_numpy(block_ids)].sum(dim=-1)
+        return _sum_over_ranks(sums) / (self.block_size * self.total_kv_heads)
+
+    def token_means(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        return _sum_over_ranks(self.by_slot[layer, slots]) / self.total_kv_heads
+
+
+def _sum_over_ranks(local_sums: torch.Tensor) -> torch.Tensor:
+    """Add up what each tensor-parallel rank scored over its own KV heads."""
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return local_sums  # no engine around this worker state (unit use)
+    return parallel_state.get_tp_group().all_reduce(local_sums)
 
 
 @dataclass
@@ -77,6 +130,13 @@ class WorkerKVState:
         self.engine_config = engine_config
         self.requests: dict[str, RequestKVState] = {}
         self.rows: StepRows | None = None
+        self.policy = get_policy(engine_config.name) if engine_config.active else None
+        self.scores: LayerScores | None = None  # block policies, once the cache exists
+
+    def bind_cache(self, layer_names: list[str], num_blocks: int, block_size: int, total_kv_heads: int) -> None:
+        """Called once the KV cache is allocated; block policies keep scores per slot."""
+        if self.policy is not None and self.policy.granularity == "block":
+            self.scores = LayerScores(layer_names, num_blocks, block_size, total_kv_heads)
 
     def drop(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
@@ -87,6 +147,8 @@ class WorkerKVState:
             # New, or resumed after preemption: it re-prefills from scratch.
             config = self.engine_config.for_request(extra_args)
             state = RequestKVState(config=config, policy=get_policy(config.name))
+            if state.policy.granularity == "block":
+                state.blocks = LayerBlockMap(self.scores.num_layers, self.scores.block_size)
             self.requests[request_id] = state
         return state
 
@@ -98,7 +160,7 @@ class WorkerKVState:
         num_reqs = len(query_start_loc) - 1
         if len(rows.req_ids) < num_reqs:
             return None  # a dummy (profiling) batch: no real requests behind the rows
-        builder = _PlanBuilder(block_size)
+        builder = _PlanBuilder(block_size, self.scores)
         for row in range(num_reqs):
             state = self._state_for(rows.req_ids[row], int(rows.num_computed[row]), rows.extra_args[row])
             builder.add_row(
@@ -115,8 +177,12 @@ class WorkerKVState:
 class _PlanBuilder:
     """Accumulates the rows of one step into a `StepPlan`."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, scores: LayerScores | None = None) -> None:
         self.block_size = block_size
+        self.scores = scores
+        self.layer_slots: list[np.ndarray] = []
+        self.block_orders: list[tuple[int, np.ndarray]] = []
+        self.prefill_compactions: list[PrefillCompaction] = []
         self.slot_mapping: list[np.ndarray] = []
         self.seq_lens: list[int] = []
         self.pre_moves: list[tuple[np.ndarray, np.ndarray]] = []
@@ -133,6 +199,9 @@ class _PlanBuilder:
 
     def add_row(self, state: RequestKVState, first_token: int, num_computed: int, num_new: int,
                 num_prompt: int, block_row: np.ndarray) -> None:
+        if state.blocks is not None:
+            self._add_block_row(state, num_computed, num_new, num_prompt, block_row)
+            return
         config, slots = state.config, state.slots
         positions = np.arange(num_computed, num_computed + num_new, dtype=np.int64)
         pre = post = NO_MOVES
@@ -163,6 +232,30 @@ class _PlanBuilder:
         self.seq_lens.append(kept_before_new + num_new)
         self._plan_sinks(state, first_token, num_computed, num_new, kept_before_new, block_row)
 
+    def _add_block_row(self, state: RequestKVState, num_computed: int, num_new: int, num_prompt: int,
+                       block_row: np.ndarray) -> None:
+        """A block policy's row: the prompt is written in table order and pruned per layer
+        at its end; past it, when every block is full, each layer evicts its own worst
+        R blocks and the first of them takes the new token as the tail (EQUIP, by block)."""
+        config, blocks = state.config, state.blocks
+        positions = np.arange(num_computed, num_computed + num_new, dtype=np.int64)
+        if num_computed >= num_prompt and blocks.tail_full and not blocks.free.shape[1] \
+                and blocks.order.shape[1] >= config.cap_blocks(self.block_size):
+            means = self.scores.block_means(block_row[blocks.order])
+            victims = state.policy.victim_blocks(means, config.prune_interval, config, self.block_size)
+            blocks.evict(victims.numpy())
+        local = blocks.append(positions)
+        self.layer_slots.append(self._global(block_row, local))
+        self.seq_lens.append(blocks.num_valid)
+        if num_computed + num_new == num_prompt and blocks.num_valid > config.budget:
+            self.prefill_compactions.append(PrefillCompaction(
+                state, torch.from_numpy(self._global(block_row, np.arange(blocks.num_valid))), config.budget))
+            blocks.compact(config.budget)
+        if not blocks.is_identity():
+            self.block_orders.append((len(self.seq_lens) - 1, blocks.order))
+        if DEBUG:
+            blocks.check()
+
     def _plan_sinks(self, state: RequestKVState, first_token: int, num_computed: int, num_new: int,
                     kept_before_new: int, block_row: np.ndarray) -> None:
         config = state.config
@@ -181,6 +274,8 @@ class _PlanBuilder:
             state.sink_shift = shift
 
     def finish(self) -> StepPlan:
+        if self.layer_slots:
+            return self._finish_block_plan()
         return StepPlan(
             slot_mapping=torch.from_numpy(np.concatenate(self.slot_mapping)),
             seq_lens=torch.tensor(self.seq_lens, dtype=torch.int32),
@@ -188,6 +283,17 @@ class _PlanBuilder:
             post_moves=_concat_moves(self.post_moves),
             sink_captures=self.sink_captures,
             sink_anchors=self.sink_anchors,
+        )
+
+
+    def _finish_block_plan(self) -> StepPlan:
+        layer_slots = torch.from_numpy(np.concatenate(self.layer_slots, axis=1))
+        return StepPlan(
+            slot_mapping=layer_slots[0],
+            seq_lens=torch.tensor(self.seq_lens, dtype=torch.int32),
+            layer_slot_mapping=layer_slots,
+            block_orders=self.block_orders,
+            prefill_compactions=self.prefill_compactions,
         )
 
 

@@ -1,0 +1,132 @@
+"""Block eviction on the worker, without an engine: K/V built so that the block each layer
+must drop is known, through the policy's scorer, the scores per slot and the step plan."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_kvprune.config import KVPolicyConfig
+from vllm_kvprune.worker.backend import _layer_block_tables
+from vllm_kvprune.worker.state import StepRows, WorkerKVState
+
+BLOCK_SIZE, HEADS, HEAD_DIM = 32, 2, 8
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+BLOCK_ROW = np.array([7, 3, 11, 5, 2, 9, 0, 0], np.int32)  # the request's blocks in the pool
+
+
+def kv_with_weak_block(num_tokens: int, weak_block: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unit-norm keys; values of norm 1..2, except `weak_block`'s tokens, of norm 0.1."""
+    rng = torch.Generator().manual_seed(seed)
+    key = torch.nn.functional.normalize(torch.randn(num_tokens, HEADS, HEAD_DIM, generator=rng), dim=-1)
+    value_norm = 1 + torch.rand(num_tokens, HEADS, 1, generator=rng)
+    value_norm[weak_block * BLOCK_SIZE:(weak_block + 1) * BLOCK_SIZE] = 0.1
+    value = torch.nn.functional.normalize(torch.randn(num_tokens, HEADS, HEAD_DIM, generator=rng), dim=-1)
+    return key, value * value_norm
+
+
+def worker(budget: int = 128, interval: int = 1, total_kv_heads: int = HEADS) -> WorkerKVState:
+    config = KVPolicyConfig.from_dict({"name": "paged_eviction", "budget": budget, "sinks": 4,
+                                       "prune_interval": interval})
+    state = WorkerKVState(config)
+    state.bind_cache(LAYERS, num_blocks=16, block_size=BLOCK_SIZE, total_kv_heads=total_kv_heads)
+    return state
+
+
+def plan_step(state: WorkerKVState, num_computed: int, num_new: int, num_prompt: int):
+    state.rows = StepRows(["r"], np.array([num_computed]), np.array([num_prompt]), BLOCK_ROW[None], [None])
+    return state.plan(np.array([0, num_new]), BLOCK_SIZE)
+
+
+def write_scores(state: WorkerKVState, plan, kv_per_layer) -> None:
+    """What the impl does in each layer: score the new tokens into their planned slots."""
+    for layer, (key, value) in enumerate(kv_per_layer):
+        state.scores.by_slot[layer, plan.layer_slot_mapping[layer]] = state.policy.token_scores(key, value)
+
+
+def test_each_layer_drops_its_weakest_block_and_reuses_it_as_the_tail():
+    state = worker()
+    weak = [2, 1]  # layer 0 must drop local block 2, layer 1 local block 1
+    prompt = plan_step(state, 0, 128, 128)
+    write_scores(state, prompt, [kv_with_weak_block(128, w, seed=i) for i, w in enumerate(weak)])
+    assert not prompt.prefill_compactions, "a prompt of exactly the budget is not pruned"
+
+    step = plan_step(state, 128, 1, 128)
+    new_slots = step.layer_slot_mapping[:, 0].numpy()
+    for layer, w in enumerate(weak):
+        assert new_slots[layer] == BLOCK_ROW[w] * BLOCK_SIZE, "the new token opens the dropped block"
+    [(row, order)] = step.block_orders
+    assert row == 0 and order.tolist() == [[0, 1, 3, 2], [0, 2, 3, 1]]
+    assert step.seq_lens.tolist() == [3 * BLOCK_SIZE + 1]
+    logical = state.requests["r"].blocks.logical
+    for layer, w in enumerate(weak):
+        held = logical[layer, w * BLOCK_SIZE:(w + 1) * BLOCK_SIZE]
+        assert held[0] == 128 and (held[1:] == -1).all(), "the dropped block's tokens are gone"
+
+    tables = _layer_block_tables(torch.from_numpy(BLOCK_ROW[None]), step, state)
+    assert tables[0, 0, :4].tolist() == BLOCK_ROW[[0, 1, 3, 2]].tolist()
+    assert tables[1, 0, :4].tolist() == BLOCK_ROW[[0, 2, 3, 1]].tolist()
+
+
+def test_sink_block_and_tail_are_never_dropped():
+    state = worker()
+    prompt = plan_step(state, 0, 128, 128)
+    # The weakest blocks are the sinks' (0) and the tail (3) in both layers: block 1 or 2 must go.
+    kv = []
+    for seed in range(2):
+        key, value = kv_with_weak_block(128, 0, seed)
+        value[3 * BLOCK_SIZE:] *= 0.01
+        value[2 * BLOCK_SIZE:3 * BLOCK_SIZE] *= 0.5
+        kv.append((key, value))
+    write_scores(state, prompt, kv)
+    step = plan_step(state, 128, 1, 128)
+    assert (step.layer_slot_mapping[:, 0].numpy() == BLOCK_ROW[2] * BLOCK_SIZE).all()
+
+
+def test_lazy_pruning_drops_r_blocks_every_r_fills():
+    state = worker(budget=128, interval=2)  # cap 5 blocks
+    prompt = plan_step(state, 0, 160, 160)
+    assert [c.keep for c in prompt.prefill_compactions] == [128]
+    blocks = state.requests["r"].blocks
+    for layer in range(2):  # what the impl records after pruning the prompt
+        blocks.set_layer_survivors(layer, np.arange(128))
+    evictions = []
+    for position in range(160, 160 + 3 * BLOCK_SIZE):
+        step = plan_step(state, position, 1, 160)
+        slot = int(step.layer_slot_mapping[0, 0])
+        state.scores.by_slot[:, slot] = 0.5  # every new token scores low
+        evictions.append(int(step.seq_lens[0]))
+    # 4 full blocks + the spare: the first fill uses the spare, the next evicts 2 at once.
+    assert evictions[0] == 129 and evictions[BLOCK_SIZE] == 3 * BLOCK_SIZE + 1
+    assert evictions[2 * BLOCK_SIZE] == 4 * BLOCK_SIZE + 1, "the second freed block needs no eviction"
+
+
+def test_block_scores_are_reduced_across_tensor_parallel_ranks(monkeypatch):
+    from vllm.distributed import parallel_state
+
+    state = worker(total_kv_heads=2 * HEADS)  # as if a second rank held two more heads
+    prompt = plan_step(state, 0, 128, 128)
+    write_scores(state, prompt, [kv_with_weak_block(128, 2, seed=i) for i in range(2)])
+    # The other rank's heads (score sums of the request's 4 blocks, per layer) make block 1
+    # the weakest overall and block 2 strong.
+    other_rank = torch.tensor([[1.0, 0.0, 50.0, 1.0]] * 2) * BLOCK_SIZE
+
+    class TwoRankGroup:  # stands in for vLLM's tensor-parallel group of two ranks
+        @staticmethod
+        def all_reduce(local_sums: torch.Tensor) -> torch.Tensor:
+            return local_sums + other_rank
+
+    monkeypatch.setattr(parallel_state, "model_parallel_is_initialized", lambda: True)
+    monkeypatch.setattr(parallel_state, "get_tp_group", lambda: TwoRankGroup)
+    step = plan_step(state, 128, 1, 128)
+    assert (step.layer_slot_mapping[:, 0].numpy() == BLOCK_ROW[1] * BLOCK_SIZE).all()
+
+
+@pytest.mark.parametrize("budget, sinks, message", [(64, 4, "at least 96"), (96, 40, "at least 128")])
+def test_budget_must_leave_an_evictable_block(budget, sinks, message):
+    from vllm_kvprune.config import KVConfigError
+
+    config = KVPolicyConfig.from_dict({"name": "paged_eviction", "budget": budget, "sinks": sinks})
+    with pytest.raises(KVConfigError, match=message):
+        config.check_engine(BLOCK_SIZE)

@@ -1,0 +1,171 @@
+"""The `paged_eviction` policy in real vLLM engines: parity with the reference implementation,
+the engine-core invariants, per-request budgets, preemption and aborts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import engine, runner_of, scheduler_of
+from test_streaming_engine import all_blocks_free, greedy, prompts, run_steps, tokens_and_logprobs
+
+SINKS = 4
+# Prompts shorter and longer than the budget; generations of at least 4x the budget.
+PROMPT_LENGTHS = (20, 150, 300)
+
+
+@pytest.fixture(scope="module")
+def reference_model(tiny_model):
+    from vllm_kvprune.reference.model import load_reference_model
+
+    torch.set_num_threads(2)
+    return load_reference_model(tiny_model)
+
+
+def assert_matches_reference(outputs, prompt_ids, model, num_tokens: int, **policy) -> None:
+    from vllm_kvprune.reference.paged_eviction import PagedEvictionReference
+
+    reference = PagedEvictionReference(model, **policy)
+    for prompt, output in zip(prompt_ids, outputs):
+        expected = reference.generate(prompt, num_tokens, prompt_logprobs=False)
+        token_ids, logprobs = tokens_and_logprobs(output)
+        first_diff = next((i for i, (a, b) in enumerate(zip(token_ids, expected.token_ids)) if a != b), None)
+        assert first_diff is None, (
+            f"prompt of {len(prompt)}: first different token at step {first_diff}; "
+            f"the reference's top-1/top-2 margin there is {expected.margins[first_diff]:.2e}"
+        )
+        assert np.max(np.abs(np.array(logprobs) - np.array(expected.logprobs))) < 1e-3
+
+
+def engine_policy(budget: int, interval: int = 1, sinks: int = SINKS) -> dict:
+    return {"name": "paged_eviction", "budget": budget, "sinks": sinks, "prune_interval": interval}
+
+
+PARITY_CASES = [(32, 96, 1), (32, 96, 2), (64, 192, 1), (64, 192, 2)]
+
+
+@pytest.mark.parametrize("block_size, budget, interval", PARITY_CASES,
+                         ids=[f"bs{b}-B{n}-R{r}" for b, n, r in PARITY_CASES])
+def test_parity_with_reference(tiny_model, reference_model, block_size, budget, interval):
+    num_tokens = 4 * budget
+    prompt_ids = prompts(PROMPT_LENGTHS)
+    with engine(tiny_model, engine_policy(budget, interval), block_size=block_size,
+                kv_blocks=512 * 32 // block_size) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], greedy(num_tokens), use_tqdm=False)
+    assert_matches_reference(outputs, prompt_ids, reference_model, num_tokens, budget=budget,
+                             block_size=block_size, sinks=SINKS, prune_interval=interval)
+
+
+def check_invariants(llm, seen_layer_orders: list[bool]) -> None:
+    """Cap after the prompt (scheduler); in every layer, no slot held twice and each request's
+    tokens inside its own blocks (worker)."""
+    scheduler, runner = scheduler_of(llm), runner_of(llm)
+    block_size = scheduler.cache_config.block_size
+    for request in scheduler.running:
+        policy = scheduler.request_policies[request.request_id]
+        if request.num_computed_tokens > request.num_prompt_tokens:
+            assert scheduler.held_blocks(request.request_id) <= policy.cap_blocks(block_size)
+    owners: list[dict[int, str]] = []
+    for request_id, state in runner.kv_state.requests.items():
+        if request_id not in runner.requests:
+            continue
+        blocks = state.blocks
+        block_row = np.array(runner.requests[request_id].block_ids[0])
+        offsets = np.arange(blocks.num_valid)
+        seen_layer_orders.append(bool((blocks.order != blocks.order[0]).any()))
+        for layer in range(blocks.num_layers):
+            local_blocks = blocks.order[layer][offsets // block_size]
+            assert (local_blocks < len(block_row)).all(), "a layer reads a block the request does not hold"
+            global_slots = block_row[local_blocks] * block_size + offsets % block_size
+            while len(owners) <= layer:
+                owners.append({})
+            for slot in global_slots.tolist():
+                assert slot not in owners[layer], f"layer {layer}: slot {slot} held twice"
+                owners[layer][slot] = request_id
+
+
+@pytest.fixture(scope="class")
+def paged_llm(tiny_model):
+    with engine(tiny_model, engine_policy(96), kv_blocks=512) as llm:
+        yield llm
+
+
+class TestSharedEngine:
+    """Tests that share one engine; it is closed when the class ends, before any other opens."""
+
+    def test_invariants_during_a_mixed_batch(self, paged_llm):
+        rng = np.random.default_rng(1)
+        lengths = rng.integers(3, 400, size=24).tolist()
+        prompt_ids = prompts(lengths, seed=2)
+        params = [greedy(int(rng.integers(20, 300)), **({"kv_budget": int(rng.choice([96, 128, 200]))}
+                                                         if i % 2 else {})) for i in range(24)]
+        seen_layer_orders: list[bool] = []
+        finished = run_steps(paged_llm, prompt_ids, params,
+                             on_step=lambda: check_invariants(paged_llm, seen_layer_orders))
+        assert len(finished) == 24
+        assert all(len(finished[str(i)].outputs[0].token_ids) == params[i].max_tokens for i in range(24))
+        assert all_blocks_free(paged_llm)
+        assert any(seen_layer_orders), "layers were expected to evict different blocks"
+
+    def test_abort_midway_returns_every_block(self, paged_llm):
+        prompt_ids = prompts((50, 120, 200, 10, 80, 300), seed=3)
+        finished = run_steps(paged_llm, prompt_ids, [greedy(200)] * len(prompt_ids), abort=(40, ["1", "3", "4"]),
+                             on_step=lambda: check_invariants(paged_llm, []))
+        assert {"0", "2", "5"} <= set(finished)
+        assert all_blocks_free(paged_llm)
+
+    def test_mixed_budgets_equal_solo_runs(self, paged_llm):
+        budgets = [96, 128, 160, 256]
+        prompt_ids = prompts((140, 90, 300, 200), seed=4)
+        batch = paged_llm.generate([{"prompt_token_ids": p} for p in prompt_ids],
+                                   [greedy(300, kv_budget=b) for b in budgets], use_tqdm=False)
+        for prompt, budget, together in zip(prompt_ids, budgets, batch):
+            [alone] = paged_llm.generate([{"prompt_token_ids": prompt}], greedy(300, kv_budget=budget),
+                                         use_tqdm=False)
+            assert together.outputs[0].token_ids == alone.outputs[0].token_ids
+
+    def test_budget_override_too_small_is_refused(self, paged_llm):
+        from vllm.exceptions import VLLMValidationError
+
+        with pytest.raises(VLLMValidationError, match="kv_budget"):
+            paged_llm.generate([{"prompt_token_ids": [5, 6, 7]}], greedy(8, kv_budget=64), use_tqdm=False)
+        [output] = paged_llm.generate([{"prompt_token_ids": [5, 6, 7]}], greedy(8), use_tqdm=False)
+        assert len(output.outputs[0].token_ids) == 8
+
+
+def test_preemption_recompute_is_exact(tiny_model, reference_model):
+    """8 requests on a 14-block pool, each growing to its 3-block cap: preemptions."""
+    from vllm_kvprune.reference.paged_eviction import PagedEvictionReference
+
+    prompt_ids = prompts((10, 12, 120, 8, 100, 15, 25, 9), seed=5)
+    params = [greedy(200)] * len(prompt_ids)
+    most_preemptions = [0]
+
+    def watch() -> None:
+        for request in scheduler_of(llm).requests.values():
+            most_preemptions[0] = max(most_preemptions[0], request.num_preemptions)
+        check_invariants(llm, [])
+
+    with engine(tiny_model, engine_policy(96), kv_blocks=14 + 1) as llm:
+        finished = run_steps(llm, prompt_ids, params, on_step=watch)
+        assert all_blocks_free(llm)
+    assert most_preemptions[0] > 0, "the pool was meant to force preemption"
+    reference = PagedEvictionReference(reference_model, budget=96, block_size=32, sinks=SINKS)
+    for i, prompt in enumerate(prompt_ids):
+        expected = reference.generate(prompt, 200, prompt_logprobs=False)
+        assert list(finished[str(i)].outputs[0].token_ids) == expected.token_ids, f"request {i}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block_size, budget, interval", [(32, 128, 1), (64, 256, 2)])
+def test_parity_real_model(real_model, block_size, budget, interval):
+    from vllm_kvprune.reference.model import load_reference_model
+
+    num_tokens = 4 * budget
+    prompt_ids = prompts((400,), seed=7)
+    with engine(real_model, engine_policy(budget, interval), block_size=block_size,
+                kv_blocks=256 * 32 // block_size) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], greedy(num_tokens), use_tqdm=False)
+    assert_matches_reference(outputs, prompt_ids, load_reference_model(real_model), num_tokens,
+                             budget=budget, block_size=block_size, sinks=SINKS, prune_interval=interval)

@@ -1,0 +1,105 @@
+"""Which of a request's blocks each layer reads, in which order (block-granular policies)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class LayerBlockMap:
+    """Per-layer block order of one request whose layers evict different whole blocks.
+
+    `order[l]` lists the request's local block indices (positions in its block-table row)
+    in the order layer l's kernel reads them. Invariants, checked by `check()`:
+    - every layer holds `num_valid` tokens: all blocks in `order[l]` are full except the
+      last (the tail), so the valid slots are a prefix of each layer's table and one
+      `seq_lens` serves every layer;
+    - in each layer, `order[l]` and `free[l]` (blocks emptied by a lazy eviction, used as
+      the next tails) are disjoint;
+    - `logical[l, s]` is the position held by local slot s in layer l, -1 if none, and no
+      position is held twice in a layer.
+    """
+
+    def __init__(self, num_layers: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.num_valid = 0
+        self.order = np.empty((num_layers, 0), np.int64)
+        self.free = np.empty((num_layers, 0), np.int64)
+        self.logical = np.empty((num_layers, 0), np.int64)
+
+    @property
+    def num_layers(self) -> int:
+        return self.order.shape[0]
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in use or free, in every layer."""
+        return self.order.shape[1] + self.free.shape[1]
+
+    @property
+    def tail_full(self) -> bool:
+        return self.num_valid % self.block_size == 0
+
+    def is_identity(self) -> bool:
+        """Whether every layer still reads its blocks in table order (no eviction yet)."""
+        return not self.free.shape[1] and bool((self.order == np.arange(self.order.shape[1])).all())
+
+    def append(self, positions: np.ndarray) -> np.ndarray:
+        """Write new tokens after the last valid slot; returns local slots `[layers, q]`."""
+        slots = np.empty((self.num_layers, len(positions)), np.int64)
+        done = 0
+        while done < len(positions):
+            if self.tail_full:
+                self._open_tail()
+            offset = self.num_valid % self.block_size
+            count = min(len(positions) - done, self.block_size - offset)
+            slots[:, done:done + count] = self.order[:, -1:] * self.block_size + offset + np.arange(count)
+            self.num_valid += count
+            done += count
+        self._grow_logical(int(slots.max()) + 1)
+        self.logical[np.arange(self.num_layers)[:, None], slots] = positions
+        return slots
+
+    def _open_tail(self) -> None:
+        if self.free.shape[1]:
+            tail, self.free = self.free[:, :1], self.free[:, 1:]
+        else:
+            tail = np.full((self.num_layers, 1), self.num_blocks, np.int64)
+        self.order = np.concatenate([self.order, tail], axis=1)
+
+    def _grow_logical(self, num_slots: int) -> None:
+        missing = num_slots - self.logical.shape[1]
+        if missing > 0:
+            self.logical = np.pad(self.logical, ((0, 0), (0, missing)), constant_values=-1)
+
+    def evict(self, victims: np.ndarray) -> None:
+        """Drop the blocks at positions `victims` `[layers, r]` of each layer's order (full
+        blocks only); they become free, in the given order, for the next tails."""
+        layers = np.arange(self.num_layers)[:, None]
+        dropped = self.order[layers, victims]
+        keep = np.ones(self.order.shape, bool)
+        keep[layers, victims] = False
+        self.order = self.order[keep].reshape(self.num_layers, -1)
+        self.free = np.concatenate([self.free, dropped], axis=1)
+        self.num_valid -= victims.shape[1] * self.block_size
+        slots = dropped[:, :, None] * self.block_size + np.arange(self.block_size)
+        self.logical[layers[:, :, None], slots] = -1
+
+    def compact(self, num_kept: int) -> None:
+        """After a prompt is pruned to `num_kept` tokens, in the first blocks of every layer;
+        `set_layer_survivors` then records which tokens each layer kept."""
+        num_blocks = -(-num_kept // self.block_size)
+        self.order = np.tile(np.arange(num_blocks, dtype=np.int64), (self.num_layers, 1))
+        self.free = np.empty((self.num_layers, 0), np.int64)
+        self.num_valid = num_kept
+
+    def set_layer_survivors(self, layer: int, positions: np.ndarray) -> None:
+        self.logical[layer] = -1
+        self.logical[layer, : len(positions)] = positions
+
+    def check(self) -> None:
+        for layer in range(self.num_layers):
+            assert not np.intersect1d(self.order[layer], self.free[layer]).size, "a block is both used and free"
+            held = self.logical[layer][self.logical[layer] >= 0]
+            assert len(np.unique(held)) == len(held), "a logical token is mapped twice"
+        expected_blocks = -(-self.num_valid // self.block_size)
+        assert self.order.shape[1] == expected_blocks, "blocks in use do not match the tokens held"
