@@ -2,7 +2,7 @@
 
 Checks what the bench reports, never how fast anything ran: every configuration is
 present with positive tokens/s and all of its tokens, and in the memory-bound setting
-`streaming` keeps more requests running at once than `none`, within its block cap.
+each policy keeps more requests running at once than `none`, within its block cap.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ def test_quick_bench_reports_every_configuration(quick_results: tuple[dict, Path
     document, stem = quick_results
     rows = rows_by_key(document)
     expected = {(MEMORY_BOUND, "none", None), (OVERHEAD, "none", None)}
-    expected |= {(MEMORY_BOUND, "streaming", budget) for budget in document["settings"]["budgets"]}
+    expected |= {(MEMORY_BOUND, policy, budget) for budget in document["settings"]["budgets"]
+                 for policy in ("streaming", "paged_eviction")}
     assert expected <= set(rows)
     assert any(setting == OVERHEAD and policy == "streaming" for setting, policy, _ in rows)
     for row in document["results"]:
@@ -58,12 +59,13 @@ def test_quick_bench_reports_every_configuration(quick_results: tuple[dict, Path
 
 
 @pytest.mark.slow
-def test_streaming_runs_more_requests_at_once_when_memory_bound(quick_results: tuple[dict, Path]) -> None:
+@pytest.mark.parametrize("policy", ["streaming", "paged_eviction"])
+def test_policies_run_more_requests_at_once_when_memory_bound(quick_results: tuple[dict, Path], policy: str) -> None:
     document = quick_results[0]
     rows = rows_by_key(document)
     none = rows[(MEMORY_BOUND, "none", None)]
     for budget in document["settings"]["budgets"]:
-        streaming = rows[(MEMORY_BOUND, "streaming", budget)]
-        assert streaming["peak_running"] > none["peak_running"], (streaming, none)
-        assert streaming["peak_request_blocks"] <= streaming["cap_blocks"], streaming
-        assert streaming["peak_blocks"] <= streaming["pool_blocks"], streaming
+        bounded = rows[(MEMORY_BOUND, policy, budget)]
+        assert bounded["peak_running"] > none["peak_running"], (bounded, none)
+        assert bounded["peak_request_blocks"] <= bounded["cap_blocks"], bounded
+        assert bounded["peak_blocks"] <= bounded["pool_blocks"], bounded

@@ -23,6 +23,9 @@ BAD_FLAGS = [
     (["--kv-policy", "streaming", "--kv-budget", "64", "--block-size", "48"], "--block-size: must be a multiple of 32"),
     (["--kv-policy", "streaming", "--kv-budget", "64", "--kv-positions", "absolute"], "--kv-positions: must be one of"),
     (["--kv-config", "/does/not/exist.yaml"], "--kv-config: file not found"),
+    (["--kv-policy", "paged_eviction", "--kv-budget", "256"], "--kv-budget: paged_eviction needs at least 384 tokens"),
+    (["--kv-policy", "paged_eviction", "--kv-budget", "512", "--kv-prefill", "streaming"],
+     "--kv-prefill: policy 'paged_eviction' supports only 'full'"),
     (["--kv-policy", "h2o", "--kv-budget", "256"], "policy h2o is not available yet"),
     (["--kv-policy", "gvote"], "policy gvote is not available yet"),
 ]

@@ -10,6 +10,8 @@ BAD_POLICIES = [
     ({"name": "streaming", "budget": 64, "sinks": 64}, "kv_policy.sinks: must be smaller than the budget"),
     ({"name": "streaming", "budget": 16}, "kv_policy.budget: 16 tokens cannot hold one KV block"),
     ({"name": "streaming", "budget": 64, "sinkz": 4}, "kv_policy.sinkz: unknown setting"),
+    ({"name": "paged_eviction", "budget": 256, "positions": "cache"},
+     "kv_policy.positions: policy 'paged_eviction' supports only 'original'"),
     ({"name": "h2o", "budget": 64}, "policy h2o is not available yet"),
 ]
 

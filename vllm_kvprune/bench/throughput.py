@@ -3,11 +3,12 @@
 Many requests with long generations share a KV pool too small for all of their full
 caches. `none` can keep only a few whole caches at once (vLLM admits more and then
 preempts them, recomputing their caches later), while `streaming` bounds each request at
-`ceil((budget + 1) / block_size)` blocks after its prompt, so many run together.
+`ceil((budget + 1) / block_size)` blocks after its prompt and `paged_eviction` at
+`ceil(budget / block_size)`, so many run together.
 
 Cases, each in its own subprocess (in-process engine, `VLLM_ENABLE_V1_MULTIPROCESSING=0`,
 so the scheduler can be sampled after every step and no engine shares a process):
-- memory-bound: `none` and `streaming` at each budget on the same small pool;
+- memory-bound: `none`, and `streaming` and `paged_eviction` at each budget, on the same small pool;
 - overhead: `streaming` with a budget above every request's length (nothing is evicted)
   against `none`, both on a pool that holds every request whole.
 
@@ -17,12 +18,12 @@ essay tokens + 4096 generated (`ignore_eos`), blocks of 32 tokens, `max_model_le
 null block, and `none` needs 257 to admit `max_model_len` at all). A whole request needs
 132 blocks, so `none` holds 2 at once; it runs with `max_num_seqs` 2 (`--none-max-seqs
 fit`), its best setting: with 32, vLLM admits all 8, then preempts and recomputes them over
-and over and runs several times slower. Streaming keeps 9 / 17 / 33 blocks at budgets
-256 / 512 / 1024, so all 8 run at once. Overhead: 8 requests of 128 + 512 tokens, budget
+and over and runs several times slower. Streaming keeps 9 / 17 / 33 / 65 blocks at budgets
+256 / 512 / 1024 / 2048 (paged_eviction 8 / 16 / 32 / 64), so all 8 run at once up to 1024. Overhead: 8 requests of 128 + 512 tokens, budget
 672, a pool that holds them all, best of 3 batches per engine. `--quick`: the tiny random
 Llama, 8 requests of 160 + 96 tokens on 33 blocks with stock `none` (which admits 6: the
-prompts fill the pool; `streaming` at budget 64 keeps 3 blocks each, so all 8 run), a
-couple of minutes.
+prompts fill the pool; at budget 96 `streaming` keeps 4 blocks each and `paged_eviction` 3),
+a few minutes.
 
 Per case: one warm-up request, then the whole batch is added to the engine and stepped
 to completion; tokens/s is output tokens over the wall clock of that loop. After every
@@ -117,9 +118,13 @@ class Case:
         budget = "" if self.budget is None else f" budget {self.budget}"
         return f"{self.setting}: {self.policy}{budget}"
 
-    def cap_blocks(self, block_size: int) -> int | None:
+    def cap_blocks(self, block_size: int, sinks: int = 4) -> int | None:
         """Blocks a request keeps after its prompt (None: unbounded); prune interval 1."""
-        return None if self.budget is None else math.ceil((self.budget + 1) / block_size)
+        if self.budget is None:
+            return None
+        from vllm_kvprune.config import KVPolicyConfig
+
+        return KVPolicyConfig(name=self.policy, budget=self.budget, sinks=sinks).cap_blocks(block_size)
 
 
 @dataclass
@@ -330,12 +335,12 @@ class Plan:
 
 
 QUICK_DEFAULTS = dict(
-    model="tiny", requests=8, prompt_tokens=160, gen_tokens=96, budgets=[64], pool_blocks=33,
+    model="tiny", requests=8, prompt_tokens=160, gen_tokens=96, budgets=[96], pool_blocks=33,
     max_model_len=1024, max_num_seqs=8, none_max_seqs="stock", overhead_requests=4, overhead_gen_tokens=64,
     overhead_repeats=1,
 )
 FULL_DEFAULTS = dict(
-    model="real", requests=8, prompt_tokens=128, gen_tokens=4096, budgets=[256, 512, 1024],
+    model="real", requests=8, prompt_tokens=128, gen_tokens=4096, budgets=[256, 512, 1024, 2048],
     pool_blocks=288, max_model_len=8192, max_num_seqs=32, none_max_seqs="fit", overhead_requests=8,
     overhead_gen_tokens=512, overhead_repeats=3,
 )
@@ -374,7 +379,7 @@ def none_max_num_seqs(choice: str, workload: Workload, engine: EngineSettings) -
 def plan_cases(args: argparse.Namespace, engine: EngineSettings) -> tuple[Case, ...]:
     bound = Workload(args.requests, args.prompt_tokens, args.gen_tokens, args.pool_blocks)
     cases = [Case(MEMORY_BOUND, "none", None, bound, none_max_num_seqs(args.none_max_seqs, bound, engine))]
-    cases += [Case(MEMORY_BOUND, "streaming", budget, bound) for budget in args.budgets]
+    cases += [Case(MEMORY_BOUND, policy, budget, bound) for policy in args.policies for budget in args.budgets]
     free = Workload(args.overhead_requests, args.prompt_tokens, args.overhead_gen_tokens, 0, args.overhead_repeats)
     free = dataclasses.replace(free, pool_blocks=overhead_pool_blocks(free, engine.max_model_len, engine.block_size))
     budget = overhead_budget(free.prompt_tokens, free.gen_tokens, engine.block_size)
@@ -469,7 +474,7 @@ def case_row(engine: EngineSettings, case: Case, measured: dict[str, Any]) -> di
         "setting": case.setting,
         "policy": case.policy,
         "budget": case.budget,
-        "cap_blocks": case.cap_blocks(engine.block_size),
+        "cap_blocks": case.cap_blocks(engine.block_size, engine.sinks),
         "requests": case.workload.num_requests,
         "prompt_tokens": case.workload.prompt_tokens,
         "gen_tokens": case.workload.gen_tokens,
@@ -490,9 +495,9 @@ def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The two ratios the targets are stated in, and whether each target is met."""
-    def ratio_of(setting: str, budget: int | None = None) -> float | None:
+    def ratio_of(setting: str, budget: int | None = None, policy: str = "streaming") -> float | None:
         for row in rows:
-            if row["setting"] == setting and row["policy"] == "streaming" and (budget is None or row["budget"] == budget):
+            if row["setting"] == setting and row["policy"] == policy and (budget is None or row["budget"] == budget):
                 return row["ratio_vs_none"]
         return None
 
@@ -505,6 +510,10 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "overhead_ratio": overhead,
         "overhead_target": TARGET_OVERHEAD_RATIO,
         "overhead_target_met": None if overhead is None else overhead >= TARGET_OVERHEAD_RATIO,
+        "memory_bound_ratios": {
+            f"{row['policy']} {row['budget']}": row["ratio_vs_none"]
+            for row in rows if row["setting"] == MEMORY_BOUND and row["policy"] != "none"
+        },
     }
 
 
@@ -549,13 +558,13 @@ def table_cells(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]
 
 
 def plot_throughput(rows: list[dict[str, Any]], path: Path, title: str) -> None:
-    """Streaming's tokens/s by budget, with `none` as a horizontal line (memory-bound)."""
+    """Each policy's tokens/s by budget, with `none` as a horizontal line (memory-bound)."""
     figure, axes = common.new_figure(6.4, 4.2)
     bound = [row for row in rows if row["setting"] == MEMORY_BOUND]
-    streaming = sorted((row["budget"], row["tokens_per_s"]) for row in bound if row["policy"] == "streaming")
-    if streaming:
-        budgets, speeds = zip(*streaming)
-        axes.plot(budgets, speeds, marker="o", label="streaming")
+    for policy in sorted({row["policy"] for row in bound} - {"none"}):
+        points = sorted((row["budget"], row["tokens_per_s"]) for row in bound if row["policy"] == policy)
+        budgets, speeds = zip(*points)
+        axes.plot(budgets, speeds, marker="o", label=policy)
         axes.set_xscale("log", base=2)
         axes.set_xticks(budgets, [str(budget) for budget in budgets])
     for row in bound:
@@ -581,7 +590,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--requests", type=int, default=None, help=f"requests in the memory-bound batch ({full['requests']})")
     add("--prompt-tokens", type=int, default=None, help=f"essay tokens per prompt ({full['prompt_tokens']})")
     add("--gen-tokens", type=int, default=None, help=f"generated tokens per request ({full['gen_tokens']})")
-    add("--budgets", type=int, nargs="+", default=None, help=f"streaming budgets ({full['budgets']})")
+    add("--budgets", type=int, nargs="+", default=None, help=f"budgets of each policy ({full['budgets']})")
+    add("--policies", nargs="+", default=["streaming", "paged_eviction"],
+        choices=("streaming", "paged_eviction"), help="policies of the memory-bound cases (default: both)")
     add("--pool-blocks", type=int, default=None,
         help=f"KV pool of the memory-bound cases, in blocks ({full['pool_blocks']})")
     add("--max-model-len", type=int, default=None, help=f"({full['max_model_len']})")
@@ -633,6 +644,7 @@ def run_settings(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
         "overhead": dataclasses.asdict(plan.cases[-1].workload),
         "overhead_budget": plan.cases[-1].budget,
         "budgets": list(args.budgets),
+        "policies": list(args.policies),
         "none_max_seqs": args.none_max_seqs,
         "engine_env": {name: child_env(args.verbose, args.omp_wait_policy).get(name)
                        for name in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU", "OMP_WAIT_POLICY")},
