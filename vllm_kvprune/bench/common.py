@@ -18,6 +18,17 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+# What every engine a benchmark starts runs with: offline, in its own process's engine core
+# (so the scheduler can be read), on both cores, quiet logs.
+ENGINE_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
 # CPU flags that decide which kernels run (ours and vLLM's); the full list is kept too.
 KEY_CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
 

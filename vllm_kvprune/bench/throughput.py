@@ -56,14 +56,7 @@ OVERHEAD = "overhead"
 TARGET_MEMORY_BOUND_RATIO = 2.0  # streaming (budget 512) over none, memory-bound
 TARGET_OVERHEAD_RATIO = 0.97  # streaming (nothing evicted) over none, not memory-bound
 TARGET_BUDGET = 512
-CHILD_ENV = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "HF_HUB_OFFLINE": "1",
-    "VLLM_CPU_OMP_THREADS_BIND": "0-1",
-    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-    "VLLM_LOGGING_LEVEL": "WARNING",
-    "TOKENIZERS_PARALLELISM": "false",
-}
+CHILD_ENV = common.ENGINE_ENV
 RESULT_STEM = "results/throughput"
 
 
