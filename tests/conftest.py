@@ -29,6 +29,17 @@ def tiny_model() -> str:
 
 
 @pytest.fixture(scope="session")
+def reference_model(tiny_model):
+    """The tiny model loaded for the reference implementations (read only; shared)."""
+    import torch
+
+    from vllm_kvprune.reference.model import load_reference_model
+
+    torch.set_num_threads(2)
+    return load_reference_model(tiny_model)
+
+
+@pytest.fixture(scope="session")
 def real_model() -> str:
     from vllm_kvprune import assets
 

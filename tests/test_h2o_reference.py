@@ -8,45 +8,37 @@ import pytest
 import torch
 
 
-@pytest.fixture(scope="module")
-def model(tiny_model):
-    from vllm_kvprune.reference.model import load_reference_model
-
-    torch.set_num_threads(2)
-    return load_reference_model(tiny_model)
-
-
 def prompt(length: int, seed: int = 0) -> list[int]:
     return np.random.default_rng(seed).integers(100, 30000, size=length).tolist()
 
 
-def test_without_heavy_hitters_h2o_is_streaming(model):
+def test_without_heavy_hitters_h2o_is_streaming(reference_model):
     from vllm_kvprune.reference.h2o import H2OReference
     from vllm_kvprune.reference.streaming import StreamingLLMReference
 
     for interval in (1, 8):
-        h2o = H2OReference(model, budget=48, recent=44, sinks=3, prune_interval=interval)
-        streaming = StreamingLLMReference(model, budget=48, sinks=3, prune_interval=interval)
+        h2o = H2OReference(reference_model, budget=48, recent=44, sinks=3, prune_interval=interval)
+        streaming = StreamingLLMReference(reference_model, budget=48, sinks=3, prune_interval=interval)
         ids = prompt(70)
         assert h2o.generate(ids, 120, prompt_logprobs=False).token_ids == \
             streaming.generate(ids, 120, prompt_logprobs=False).token_ids
 
 
-def test_mass_adds_up_to_the_queries_seen(model):
+def test_mass_adds_up_to_the_queries_seen(reference_model):
     """With nothing evicted, each KV head's total mass is one per query of its group."""
     from vllm_kvprune.reference.h2o import H2OReference
 
-    reference = H2OReference(model, budget=1000, recent=8, prefill="streaming", prefill_chunk=16)
+    reference = H2OReference(reference_model, budget=1000, recent=8, prefill="streaming", prefill_chunk=16)
     reference.generate(prompt(40), 20, prompt_logprobs=False)
-    group = model.config.num_attention_heads // model.config.num_key_value_heads
+    group = reference_model.config.num_attention_heads // reference_model.config.num_key_value_heads
     for mass in reference.mass:
         assert torch.allclose(mass.sum(dim=1), torch.full((mass.shape[0],), float(group * reference.tokens_seen)))
 
 
-def test_heads_keep_their_own_heavy_hitters(model):
+def test_heads_keep_their_own_heavy_hitters(reference_model):
     from vllm_kvprune.reference.h2o import H2OReference
 
-    reference = H2OReference(model, budget=32, recent=8, sinks=2)
+    reference = H2OReference(reference_model, budget=32, recent=8, sinks=2)
     output = reference.generate(prompt(60, seed=1), 40, prompt_logprobs=False)
     assert max(output.kept_sizes) == 32
     positions = [reference.cache.positions[layer] for layer in range(reference.num_layers)]

@@ -5,22 +5,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from conftest import engine, runner_of, scheduler_of
-from test_streaming_engine import all_blocks_free, greedy, prompts, run_steps, tokens_and_logprobs
+from test_streaming_engine import (all_blocks_free, greedy, prompts, run_counting_preemptions, run_steps,
+                                   tokens_and_logprobs)
 
 SINKS = 4
 # Prompts shorter and longer than the budget; generations of at least 4x the budget.
 PROMPT_LENGTHS = (20, 150, 300)
-
-
-@pytest.fixture(scope="module")
-def reference_model(tiny_model):
-    from vllm_kvprune.reference.model import load_reference_model
-
-    torch.set_num_threads(2)
-    return load_reference_model(tiny_model)
 
 
 def assert_matches_reference(outputs, prompt_ids, model, num_tokens: int, **policy) -> None:
@@ -140,17 +132,11 @@ def test_preemption_recompute_is_exact(tiny_model, reference_model):
 
     prompt_ids = prompts((10, 12, 120, 8, 100, 15, 25, 9), seed=5)
     params = [greedy(200)] * len(prompt_ids)
-    most_preemptions = [0]
-
-    def watch() -> None:
-        for request in scheduler_of(llm).requests.values():
-            most_preemptions[0] = max(most_preemptions[0], request.num_preemptions)
-        check_invariants(llm, [])
-
     with engine(tiny_model, engine_policy(96), kv_blocks=14 + 1) as llm:
-        finished = run_steps(llm, prompt_ids, params, on_step=watch)
+        finished, most_preemptions = run_counting_preemptions(llm, prompt_ids, params,
+                                                              lambda: check_invariants(llm, []))
         assert all_blocks_free(llm)
-    assert most_preemptions[0] > 0, "the pool was meant to force preemption"
+    assert most_preemptions > 0, "the pool was meant to force preemption"
     reference = PagedEvictionReference(reference_model, budget=96, block_size=32, sinks=SINKS)
     for i, prompt in enumerate(prompt_ids):
         expected = reference.generate(prompt, 200, prompt_logprobs=False)

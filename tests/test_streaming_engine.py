@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from conftest import BLOCK_SIZE, engine, runner_of, scheduler_of
 
@@ -32,14 +31,6 @@ def tokens_and_logprobs(output) -> tuple[list[int], list[float]]:
     completion = output.outputs[0]
     token_ids = list(completion.token_ids)
     return token_ids, [completion.logprobs[i][t].logprob for i, t in enumerate(token_ids)]
-
-
-@pytest.fixture(scope="module")
-def reference_model(tiny_model):
-    from vllm_kvprune.reference.model import load_reference_model
-
-    torch.set_num_threads(2)
-    return load_reference_model(tiny_model)
 
 
 def assert_matches_reference(outputs, prompt_ids, model, **policy):
@@ -110,6 +101,18 @@ def run_steps(llm, prompt_ids, params, on_step=None, abort=None) -> dict[str, ob
     return finished
 
 
+def run_counting_preemptions(llm, prompt_ids, params, check) -> tuple[dict[str, object], int]:
+    """`run_steps` with `check()` after every step; also the most preemptions any request had."""
+    most = 0
+
+    def watch() -> None:
+        nonlocal most
+        most = max([most, *(r.num_preemptions for r in scheduler_of(llm).requests.values())])
+        check()
+
+    return run_steps(llm, prompt_ids, params, on_step=watch), most
+
+
 def check_invariants(llm) -> None:
     """Cap after prefill (scheduler), no slot held twice (worker)."""
     scheduler, runner = scheduler_of(llm), runner_of(llm)
@@ -159,7 +162,6 @@ class TestSharedEngine:
         assert len(batch_ids) == 32 and not set(runner.kv_state.requests) & batch_ids
         assert set(runner.kv_state.requests) <= set(runner.requests)
 
-
     def test_abort_midway_returns_every_block(self, streaming_llm):
         prompt_ids = prompts((50, 120, 200, 10, 80, 300), seed=3)
         params = [greedy(150)] * len(prompt_ids)
@@ -167,7 +169,6 @@ class TestSharedEngine:
                              on_step=lambda: check_invariants(streaming_llm))
         assert {"0", "2", "5"} <= set(finished)
         assert all_blocks_free(streaming_llm)
-
 
     def test_mixed_budgets_equal_solo_runs(self, streaming_llm):
         budgets = [32, 64, 96, 160]
@@ -179,7 +180,6 @@ class TestSharedEngine:
                                              use_tqdm=False)
             assert together.outputs[0].token_ids == alone.outputs[0].token_ids
         assert len({tuple(o.outputs[0].token_ids) for o in batch}) == len(budgets)
-
 
     def test_bad_request_override_raises_and_engine_goes_on(self, streaming_llm):
         from vllm.exceptions import VLLMValidationError
@@ -197,17 +197,10 @@ def test_preemption_recompute_is_exact(tiny_model, reference_model):
 
     prompt_ids = prompts((10, 12, 20, 8, 100, 15, 25, 9), seed=5)
     params = [greedy(200)] * len(prompt_ids)
-    most_preemptions = [0]
-
-    def watch() -> None:
-        for request in scheduler_of(llm).requests.values():
-            most_preemptions[0] = max(most_preemptions[0], request.num_preemptions)
-        check_invariants(llm)
-
     with engine(tiny_model, {"name": "streaming", "budget": BUDGET, "sinks": SINKS}, kv_blocks=12 + 1) as llm:
-        finished = run_steps(llm, prompt_ids, params, on_step=watch)
+        finished, most_preemptions = run_counting_preemptions(llm, prompt_ids, params, lambda: check_invariants(llm))
         assert all_blocks_free(llm)
-    assert most_preemptions[0] > 0, "the pool was meant to force preemption"
+    assert most_preemptions > 0, "the pool was meant to force preemption"
     reference = StreamingLLMReference(reference_model, budget=BUDGET, sinks=SINKS)
     for i, prompt in enumerate(prompt_ids):
         expected = reference.generate(prompt, 200, prompt_logprobs=False)

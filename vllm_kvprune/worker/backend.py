@@ -110,7 +110,7 @@ class KVPruneImpl(CPUAttentionBackendImpl):
     def _write_scored(self, layer, key, value, kv_cache, plan: StepPlan) -> None:
         """Block policies: this layer's own slots, and each new token's score beside it."""
         worker_state = runtime.worker_state()
-        layer_index = worker_state.scores.layer_index[layer.layer_name]
+        layer_index = _layer_index(layer)
         slots = plan.layer_slot_mapping[layer_index]
         num_tokens = len(slots)
         key, value = key[:num_tokens], value[:num_tokens]
@@ -121,8 +121,7 @@ class KVPruneImpl(CPUAttentionBackendImpl):
         plan = getattr(attn_metadata, "kvprune_plan", None)
         layer_tables = getattr(attn_metadata, "kvprune_layer_tables", None)
         if layer_tables is not None:
-            layer_index = runtime.worker_state().scores.layer_index[layer.layer_name]
-            attn_metadata = dataclasses.replace(attn_metadata, block_table=layer_tables[layer_index])
+            attn_metadata = dataclasses.replace(attn_metadata, block_table=layer_tables[_layer_index(layer)])
         output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         if plan is not None and plan.post_moves is not None:
             kernels.copy_slots(kv_cache, *plan.post_moves, _layout_of(layer, kv_cache))
@@ -133,9 +132,8 @@ class KVPruneImpl(CPUAttentionBackendImpl):
     def _prune_prompts(self, layer, kv_cache, plan: StepPlan) -> None:
         """After a prompt's last chunk has attended to all of it: keep each prompt's best
         tokens of this layer, in order, in its first slots (scores move with them)."""
-        worker_state = runtime.worker_state()
-        scores = worker_state.scores
-        layer_index = scores.layer_index[layer.layer_name]
+        scores = runtime.worker_state().scores
+        layer_index = _layer_index(layer)
         block_size = kv_cache.shape[2]
         sources, destinations = [], []
         for compaction in plan.prefill_compactions:
@@ -162,6 +160,11 @@ class KVPruneImpl(CPUAttentionBackendImpl):
             slots.append(anchor.sink_slots)
         rotated = self._rotator.rotate(torch.cat(keys), torch.cat(shifts))
         kernels.write_slots(rotated, torch.cat(values), kv_cache, torch.cat(slots), layout)
+
+
+def _layer_index(layer) -> int:
+    """The layer's row in the per-layer plan tensors and score table (block policies)."""
+    return runtime.worker_state().scores.layer_index[layer.layer_name]
 
 
 def _layout_of(layer, kv_cache: torch.Tensor):

@@ -285,7 +285,6 @@ class _PlanBuilder:
             sink_anchors=self.sink_anchors,
         )
 
-
     def _finish_block_plan(self) -> StepPlan:
         layer_slots = torch.from_numpy(np.concatenate(self.layer_slots, axis=1))
         return StepPlan(
