@@ -47,7 +47,7 @@ def test_quick_bench_reports_every_configuration(quick_results: tuple[dict, Path
     rows = rows_by_key(document)
     expected = {(MEMORY_BOUND, "none", None), (OVERHEAD, "none", None)}
     expected |= {(MEMORY_BOUND, policy, budget) for budget in document["settings"]["budgets"]
-                 for policy in ("streaming", "paged_eviction")}
+                 for policy in ("streaming", "h2o", "paged_eviction")}
     assert expected <= set(rows)
     assert any(setting == OVERHEAD and policy == "streaming" for setting, policy, _ in rows)
     for row in document["results"]:
@@ -59,7 +59,7 @@ def test_quick_bench_reports_every_configuration(quick_results: tuple[dict, Path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", ["streaming", "paged_eviction"])
+@pytest.mark.parametrize("policy", ["streaming", "h2o", "paged_eviction"])
 def test_policies_run_more_requests_at_once_when_memory_bound(quick_results: tuple[dict, Path], policy: str) -> None:
     document = quick_results[0]
     rows = rows_by_key(document)

@@ -26,7 +26,9 @@ BAD_FLAGS = [
     (["--kv-policy", "paged_eviction", "--kv-budget", "256"], "--kv-budget: paged_eviction needs at least 384 tokens"),
     (["--kv-policy", "paged_eviction", "--kv-budget", "512", "--kv-prefill", "streaming"],
      "--kv-prefill: policy 'paged_eviction' supports only 'full'"),
-    (["--kv-policy", "h2o", "--kv-budget", "256"], "policy h2o is not available yet"),
+    (["--kv-policy", "h2o", "--kv-budget", "256", "--kv-recent", "300"], "--kv-recent: must be at most budget - 1 - sinks"),
+    (["--kv-policy", "h2o", "--kv-budget", "256", "--kv-prefill", "streaming"],
+     "--kv-prefill: policy 'h2o' supports only 'full'"),
     (["--kv-policy", "gvote"], "policy gvote is not available yet"),
 ]
 
@@ -52,7 +54,7 @@ def test_bad_yaml_key_names_the_key(tmp_path):
 def test_serve_help_shows_the_kv_flags():
     result = run("serve", "--help=all")
     assert result.returncode == 0, result.stderr[-2000:]
-    for flag in ["--kv-policy", "--kv-budget", "--kv-sinks", "--kv-window", "--kv-prune-interval",
+    for flag in ["--kv-policy", "--kv-budget", "--kv-sinks", "--kv-window", "--kv-recent", "--kv-prune-interval",
                  "--kv-positions", "--kv-config"]:
         assert flag in result.stdout
     assert "KV policy (vllm-kvprune)" in result.stdout

@@ -111,3 +111,18 @@ def test_additional_config_forms():
 
 def test_request_surface_name():
     assert REQUEST.name("budget") == "kv_budget"
+
+
+def test_h2o_recent_window():
+    config = KVPolicyConfig.from_dict({"name": "h2o", "budget": 256, "sinks": 4})
+    assert config.recent_size == 126  # half of budget - sinks by default
+    assert config.for_request({"kv_recent": 10}).recent_size == 10
+    assert config.for_request({"kv_budget": 100}).recent_size == 48  # the default follows the budget
+    assert KVPolicyConfig.from_dict({"name": "h2o", "budget": 256, "sinks": 4, "recent": 251}).recent_size == 251
+    for extra in ({"kv_recent": 252}, {"kv_recent": -1}, {"kv_recent": "x"}):
+        with pytest.raises(KVConfigError) as info:
+            config.for_request(extra)
+        assert info.value.setting == "kv_recent"
+    for field, value in (("positions", "cache"), ("prefill", "streaming")):
+        with pytest.raises(KVConfigError, match=f"policy 'h2o' supports only"):
+            KVPolicyConfig.from_dict({"name": "h2o", "budget": 256, field: value})

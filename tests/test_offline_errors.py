@@ -12,7 +12,8 @@ BAD_POLICIES = [
     ({"name": "streaming", "budget": 64, "sinkz": 4}, "kv_policy.sinkz: unknown setting"),
     ({"name": "paged_eviction", "budget": 256, "positions": "cache"},
      "kv_policy.positions: policy 'paged_eviction' supports only 'original'"),
-    ({"name": "h2o", "budget": 64}, "policy h2o is not available yet"),
+    ({"name": "h2o", "budget": 64, "recent": 63}, "kv_policy.recent: must be at most budget - 1 - sinks = 59"),
+    ({"name": "gvote"}, "policy gvote is not available yet"),
 ]
 
 

@@ -17,16 +17,18 @@ from typing import Any, Mapping
 
 ALL_POLICIES = ("none", "streaming", "h2o", "paged_eviction", "gvote", "fdc")
 # Policies whose mechanism is built; the others fail at start-up, never silently run as `none`.
-AVAILABLE_POLICIES = ("none", "streaming", "paged_eviction")
+AVAILABLE_POLICIES = ("none", "streaming", "h2o", "paged_eviction")
 # Policies with a token budget; GVote picks its own per request, FDC keeps every token.
 BUDGETED_POLICIES = ("streaming", "h2o", "paged_eviction")
 # Policies that evict whole blocks at decode, each layer its own (the rest evict tokens).
 BLOCK_POLICIES = ("paged_eviction",)
+# Policies that score tokens from the whole prompt and keep original positions.
+SCORED_POLICIES = ("h2o", "paged_eviction")
 POSITION_MODES = ("original", "cache")
 PREFILL_MODES = ("full", "streaming")
 ADDITIONAL_CONFIG_KEY = "kv_policy"
 # Per-request override keys (SamplingParams.extra_args / OpenAI vllm_xargs) -> config field.
-REQUEST_KEYS = {"kv_budget": "budget", "kv_sinks": "sinks", "kv_window": "window"}
+REQUEST_KEYS = {"kv_budget": "budget", "kv_sinks": "sinks", "kv_window": "window", "kv_recent": "recent"}
 
 
 class KVConfigError(ValueError):
@@ -66,13 +68,16 @@ class KVPolicyConfig:
 
     `budget` is the most tokens a decode query attends to, counting itself; for
     `streaming` it is `sinks + window`. `prune_interval` R lets the cache grow to
-    `budget + R - 1` and then evicts in one batch (lazy pruning).
+    `budget + R - 1` and then evicts in one batch (lazy pruning). `recent` (`h2o`) is the
+    window of newest tokens every head keeps; the rest of `budget - 1 - sinks` goes to
+    heavy hitters (default: half of `budget - sinks` each).
     """
 
     name: str = "none"
     budget: int | None = None
     sinks: int = 4
     window: int | None = None
+    recent: int | None = None
     prune_interval: int = 1
     positions: str = "original"
     prefill: str = "full"
@@ -125,6 +130,8 @@ class KVPolicyConfig:
             _check_int(self.budget, name_of("budget"), minimum=1)
         if self.window is not None:
             _check_int(self.window, name_of("window"), minimum=1)
+        if self.recent is not None:
+            _check_int(self.recent, name_of("recent"), minimum=0)
         if self.name not in BUDGETED_POLICIES:
             return self
         budget = self._resolved_budget(name_of)
@@ -132,18 +139,30 @@ class KVPolicyConfig:
             raise KVConfigError(
                 name_of("sinks"), f"must be smaller than the budget ({budget}), got {self.sinks}"
             )
-        if self.name in BLOCK_POLICIES:
+        if self.name in SCORED_POLICIES:
             # Scores come from keys cached at their original positions, after a whole prompt.
             if self.positions != "original":
                 raise KVConfigError(name_of("positions"), f"policy {self.name!r} supports only 'original'")
             if self.prefill != "full":
                 raise KVConfigError(name_of("prefill"), f"policy {self.name!r} supports only 'full'")
-        return dataclasses.replace(self, budget=budget)
+        resolved = dataclasses.replace(self, budget=budget)
+        if self.name == "h2o" and self.sinks + resolved.recent_size > budget - 1:
+            raise KVConfigError(
+                name_of("recent"),
+                f"must be at most budget - 1 - sinks = {budget - 1 - self.sinks} (room for the new "
+                f"token), got {self.recent}",
+            )
+        return resolved
 
     @property
     def max_cached(self) -> int:
         """Most tokens a request caches before lazy pruning evicts (budget + R - 1)."""
         return self.budget + self.prune_interval - 1
+
+    @property
+    def recent_size(self) -> int:
+        """Newest tokens every head keeps under `h2o` (`recent`, else half of budget - sinks)."""
+        return (self.budget - self.sinks) // 2 if self.recent is None else self.recent
 
     @property
     def window_size(self) -> int:
@@ -283,6 +302,7 @@ class CLIFlags:
     budget: int | None = None
     sinks: int | None = None
     window: int | None = None
+    recent: int | None = None
     prune_interval: int | None = None
     positions: str | None = None
     prefill: str | None = None

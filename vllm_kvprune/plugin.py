@@ -78,6 +78,8 @@ def _add_kv_flags(parser):
     group.add_argument("--kv-sinks", type=str, default=None, metavar="N", help="First tokens always kept (default 4).")
     group.add_argument("--kv-window", type=str, default=None, metavar="N",
                        help="Recent tokens kept; budget = sinks + window.")
+    group.add_argument("--kv-recent", type=str, default=None, metavar="N",
+                       help="h2o: newest tokens every head keeps (default: half of budget - sinks).")
     group.add_argument("--kv-prune-interval", type=str, default=None, metavar="R",
                        help="Lazy pruning: evict every R steps, R tokens at a time (default 1).")
     group.add_argument("--kv-positions", type=str, default=None, metavar="{" + ",".join(POSITION_MODES) + "}",
@@ -91,13 +93,13 @@ def _add_kv_flags(parser):
     return parser
 
 
-_INT_FLAGS = ("budget", "sinks", "window", "prune_interval", "prefill_chunk")
+_INT_FLAGS = ("budget", "sinks", "window", "recent", "prune_interval", "prefill_chunk")
 
 
 def flags_from_namespace(args) -> CLIFlags:
     """The `--kv-*` values of a parsed namespace, with integers checked."""
     values = {}
-    for name in ("policy", "budget", "sinks", "window", "prune_interval", "positions", "prefill",
+    for name in ("policy", "budget", "sinks", "window", "recent", "prune_interval", "positions", "prefill",
                  "prefill_chunk", "config"):
         raw = getattr(args, f"kv_{name}", None)
         if raw is not None and name in _INT_FLAGS:

@@ -4,6 +4,7 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include "attention_mass.h"
 #include "slot_ops.h"
 
 TORCH_LIBRARY(kvprune, m) {
@@ -16,6 +17,10 @@ TORCH_LIBRARY(kvprune, m) {
   m.def(
       "read_slots(Tensor kv_cache, Tensor slots, Tensor key_offsets, Tensor value_offsets, "
       "int[] tiling) -> (Tensor, Tensor)");
+  m.def(
+      "attention_mass(Tensor query, Tensor kv_cache, Tensor block_table, Tensor query_rows, "
+      "Tensor key_counts, float scale, Tensor(a!) mass, Tensor(b!)? output, "
+      "Tensor key_offsets, Tensor value_offsets, int[] tiling) -> ()");
   m.def("build_isa() -> str", &kvprune::build_isa);
 }
 
@@ -23,6 +28,7 @@ TORCH_LIBRARY_IMPL(kvprune, CPU, m) {
   m.impl("write_slots", &kvprune::write_slots);
   m.impl("copy_slots", &kvprune::copy_slots);
   m.impl("read_slots", &kvprune::read_slots);
+  m.impl("attention_mass", &kvprune::attention_mass);
 }
 
 static struct PyModuleDef kvprune_module = {PyModuleDef_HEAD_INIT, "_C",

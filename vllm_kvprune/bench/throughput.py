@@ -2,13 +2,14 @@
 
 Many requests with long generations share a KV pool too small for all of their full
 caches. `none` can keep only a few whole caches at once (vLLM admits more and then
-preempts them, recomputing their caches later), while `streaming` bounds each request at
-`ceil((budget + 1) / block_size)` blocks after its prompt and `paged_eviction` at
+preempts them, recomputing their caches later), while `streaming` and `h2o` bound each
+request at `ceil((budget + 1) / block_size)` blocks after its prompt and `paged_eviction` at
 `ceil(budget / block_size)`, so many run together.
 
 Cases, each in its own subprocess (in-process engine, `VLLM_ENABLE_V1_MULTIPROCESSING=0`,
 so the scheduler can be sampled after every step and no engine shares a process):
-- memory-bound: `none`, and `streaming` and `paged_eviction` at each budget, on the same small pool;
+- memory-bound: `none`, and each of `--policies` (`streaming`, `h2o`, `paged_eviction`) at each
+  budget, on the same small pool;
 - overhead: `streaming` with a budget above every request's length (nothing is evicted)
   against `none`, both on a pool that holds every request whole.
 
@@ -133,6 +134,7 @@ class BatchStats:
     peak_blocks: int = 0
     peak_request_blocks: int = 0  # most blocks one request held once past its prompt
     preemptions: int = 0
+    score_s: float = 0.0  # worker time spent keeping token scores (H2O's attention mass)
 
     @property
     def tokens_per_s(self) -> float:
@@ -152,6 +154,7 @@ class BatchStats:
             "tokens_per_s": self.tokens_per_s,
             "tokens_per_cpu_s": self.tokens_per_cpu_s,
             "mean_running": self.mean_running,
+            "score_share": self.score_s / self.wall_s if self.wall_s else 0.0,
         }
 
 
@@ -266,6 +269,7 @@ def run_batch(llm, prompts: Sequence[list[int]], gen_tokens: int, tag: str, prog
     params = sampling_params(gen_tokens)
     stats = BatchStats()
     preemptions: dict[str, int] = {}
+    score_before = score_seconds()
     start, start_cpu = time.perf_counter(), time.process_time()
     for index, prompt in enumerate(prompts):
         engine.add_request(f"{tag}-{index}", {"prompt_token_ids": list(prompt)}, params)
@@ -277,10 +281,19 @@ def run_batch(llm, prompts: Sequence[list[int]], gen_tokens: int, tag: str, prog
         progress.report(stats.output_tokens + tokens_in_flight(scheduler))
     stats.wall_s = time.perf_counter() - start
     stats.cpu_s = time.process_time() - start_cpu
+    stats.score_s = score_seconds() - score_before
     stats.preemptions = sum(preemptions.values())
     progress.offset += stats.output_tokens
     progress.report(0, force=True)
     return stats
+
+
+def score_seconds() -> float:
+    """Seconds the (in-process) worker has spent keeping scores so far."""
+    from vllm_kvprune.worker import runtime
+
+    state = runtime.worker_state()
+    return state.score_seconds if state is not None else 0.0
 
 
 def warm_up(llm, prompt: list[int]) -> None:
@@ -537,6 +550,7 @@ TABLE_COLUMNS = (
     ("peak blocks", "peak_blocks", "{}"),
     ("blocks/req", "peak_request_blocks", "{}"),
     ("preemptions", "preemptions", "{}"),
+    ("score share", "score_share", "{:.1%}"),
     ("wall s", "wall_s", "{:.1f}"),
 )
 
@@ -584,8 +598,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--prompt-tokens", type=int, default=None, help=f"essay tokens per prompt ({full['prompt_tokens']})")
     add("--gen-tokens", type=int, default=None, help=f"generated tokens per request ({full['gen_tokens']})")
     add("--budgets", type=int, nargs="+", default=None, help=f"budgets of each policy ({full['budgets']})")
-    add("--policies", nargs="+", default=["streaming", "paged_eviction"],
-        choices=("streaming", "paged_eviction"), help="policies of the memory-bound cases (default: both)")
+    add("--policies", nargs="+", default=["streaming", "h2o", "paged_eviction"],
+        choices=("streaming", "h2o", "paged_eviction"), help="policies of the memory-bound cases (default: all)")
     add("--pool-blocks", type=int, default=None,
         help=f"KV pool of the memory-bound cases, in blocks ({full['pool_blocks']})")
     add("--max-model-len", type=int, default=None, help=f"({full['max_model_len']})")

@@ -29,6 +29,7 @@ from vllm_kvprune.kernels.layout import (
 __all__ = [
     "HAS_EXTENSION",
     "CacheLayout",
+    "attention_mass",
     "copy_slots",
     "default_isa",
     "extension_isa",
@@ -128,6 +129,47 @@ def read_slots(
         kv_cache, slots, layout.key_offsets, layout.value_offsets, layout.tiling_list
     )
     return key, value
+
+
+def attention_mass(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layout: CacheLayout,
+    block_table: torch.Tensor,
+    query_rows: torch.Tensor,
+    key_counts: torch.Tensor,
+    scale: float,
+    mass: torch.Tensor,
+    output: torch.Tensor | None = None,
+) -> None:
+    """Attention probability mass per cached slot (H2O heavy hitters), read from the cache.
+
+    ``query [N, Hq, D]`` (any float dtype, rows may be strided); query i attends to slots
+    ``0 .. key_counts[i] - 1`` of block-table row ``query_rows[i]`` (slot s in block
+    ``block_table[row, s // block_size]`` at offset ``s % block_size``); query head q uses KV
+    head ``q // (Hq // H)``. With ``p = softmax(scale * q.K)`` in fp32, adds to
+    ``mass [H, num_blocks * block_size]`` (float32) at each slot's global index the sum of p
+    over the query heads of each KV head, and writes ``output[i, q] = sum_s p_s V_s`` when
+    ``output`` (``[N, Hq, D]``, float32 or the query dtype) is given. A query with no keys
+    adds nothing and gets a zero output. ``block_table`` is int32 (vLLM's) or int64.
+    """
+    query_rows, key_counts = _as_slots(query_rows), _as_slots(key_counts)
+    if not HAS_EXTENSION:
+        reference.attention_mass(query, kv_cache, layout, block_table, query_rows, key_counts, scale, mass, output)
+        return
+    torch.ops.kvprune.attention_mass(
+        _unit_last_stride(query),
+        kv_cache,
+        block_table,
+        query_rows,
+        key_counts,
+        float(scale),
+        mass,
+        output,
+        layout.key_offsets,
+        layout.value_offsets,
+        layout.tiling_list,
+    )
 
 
 def _as_slots(slots: torch.Tensor) -> torch.Tensor:

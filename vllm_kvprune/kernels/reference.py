@@ -64,6 +64,52 @@ def copy_slots(
     write_slots(staged_key, staged_value, kv_cache, dst_slots, layout)
 
 
+def attention_mass(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layout: CacheLayout,
+    block_table: torch.Tensor,
+    query_rows: torch.Tensor,
+    key_counts: torch.Tensor,
+    scale: float,
+    mass: torch.Tensor,
+    output: torch.Tensor | None = None,
+) -> None:
+    """Softmax attention of each query over its row's first ``key_counts[i]`` slots; adds each
+    slot's probability, summed over the query heads of its KV head, to ``mass [H, num_slots]``
+    and, if given, writes the attention output ``[N, Hq, D]``. One query at a time, in fp32.
+    """
+    num_queries, query_heads, head_size = query.shape
+    num_blocks, num_heads, block_size, _ = kv_cache.shape
+    if query_heads % num_heads or head_size != layout.head_size:
+        raise ValueError(
+            f"query {list(query.shape)} does not fit a cache of {num_heads} KV heads, head_size {layout.head_size}"
+        )
+    if mass.shape != (num_heads, num_blocks * block_size) or mass.dtype != torch.float32:
+        raise ValueError(f"mass must be float32 [{num_heads}, {num_blocks * block_size}], got {mass.dtype} {list(mass.shape)}")
+    if output is not None and output.shape != query.shape:
+        raise ValueError(f"output must be {list(query.shape)}, got {list(output.shape)}")
+    group = query_heads // num_heads
+    for i in range(num_queries):
+        row, count = int(query_rows[i]), int(key_counts[i])
+        if not 0 <= count <= block_table.shape[1] * block_size:
+            raise ValueError(f"key_counts[{i}] = {count} exceeds the block table's {block_table.shape[1]} blocks")
+        if count == 0:
+            if output is not None:
+                output[i] = 0
+            continue
+        positions = torch.arange(count)
+        slots = block_table[row].to(torch.int64)[positions // block_size] * block_size + positions % block_size
+        key, value = read_slots(kv_cache, slots, layout)  # [n, H, D]
+        key = key.float().repeat_interleave(group, dim=1)  # [n, Hq, D], query head q -> KV head q // group
+        value = value.float().repeat_interleave(group, dim=1)
+        logits = scale * torch.einsum("qd,nqd->qn", query[i].float(), key)
+        probs = torch.softmax(logits, dim=-1)  # [Hq, n]
+        mass.index_add_(1, slots, probs.view(num_heads, group, count).sum(dim=1))
+        if output is not None:
+            output[i] = torch.einsum("qn,nqd->qd", probs, value).to(output.dtype)
+
+
 def _pages(kv_cache: torch.Tensor, layout: CacheLayout) -> torch.Tensor:
     """The cache as one row per (block, head) page; a view, so writes land in the cache."""
     if kv_cache.dim() != 4 or not kv_cache.is_contiguous():

@@ -17,7 +17,8 @@ class Policy:
 
     name: str = "base"
     # "token": one slot map for all layers (survivors/victims below); "block": each layer
-    # evicts its own whole blocks (see `PagedEvictionPolicy`).
+    # evicts its own whole blocks (see `PagedEvictionPolicy`); "head": each layer and KV
+    # head evicts its own tokens (see `H2OPolicy`).
     granularity: str = "token"
 
     def survivors(self, logical: np.ndarray, keep: int, config: KVPolicyConfig) -> np.ndarray:

@@ -12,6 +12,8 @@ With no policy configured every class here behaves exactly like its parent.
 from __future__ import annotations
 
 import dataclasses
+import os
+import time
 
 import torch
 from vllm.forward_context import get_forward_context
@@ -26,7 +28,14 @@ from vllm_kvprune import kernels
 from vllm_kvprune.config import policy_from_vllm_config
 from vllm_kvprune.worker import runtime
 from vllm_kvprune.worker.positions import rotator_from_model_config
+from vllm_kvprune.worker.head_map import SKIP
 from vllm_kvprune.worker.state import StepPlan
+
+# Decode-only steps of head-wise policies compute attention and mass in one pass of our
+# kernel (measured faster than vLLM's attention followed by a mass pass); 0 keeps vLLM's
+# attention and adds the mass pass, for comparing the two.
+FUSED_DECODE_MASS = os.environ.get("VLLM_KVPRUNE_FUSED_MASS", "1") == "1"
+
 
 
 class KVPruneMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -92,6 +101,9 @@ class KVPruneImpl(CPUAttentionBackendImpl):
         if plan is not None and plan.layer_slot_mapping is not None:
             self._write_scored(layer, key, value, kv_cache, plan)
             return
+        if plan is not None and plan.head_slot_mapping is not None:
+            self._write_per_head(layer, key, value, kv_cache, plan)
+            return
         if plan is not None:
             layout = _layout_of(layer, kv_cache)
             for state, token_index in plan.sink_captures:
@@ -117,16 +129,56 @@ class KVPruneImpl(CPUAttentionBackendImpl):
         worker_state.scores.by_slot[layer_index, slots] = worker_state.policy.token_scores(key, value)
         super().do_kv_cache_update(layer, key, value, kv_cache, slots)
 
+    def _write_per_head(self, layer, key, value, kv_cache, plan: StepPlan) -> None:
+        """Head-wise policies: lazy-pruning moves first, then each new token's K/V of every
+        head into that head's own slot (a victim's, in place), starting with no mass."""
+        mass = runtime.worker_state().scores
+        layer_index = _layer_index(layer)
+        layout = _layout_of(layer, kv_cache)
+        if plan.head_moves is not None:
+            sources, destinations = plan.head_moves[0][layer_index], plan.head_moves[1][layer_index]
+            kernels.copy_slots(kv_cache, sources, destinations, layout)
+            mass.move(layer_index, sources, destinations)
+        slots = plan.head_slot_mapping[layer_index]
+        num_tokens = len(slots)
+        kernels.write_slots(key[:num_tokens], value[:num_tokens], kv_cache, slots, layout)
+        mass.reset(layer_index, slots)
+
+    def _accumulate_mass(self, layer, query, kv_cache, attn_metadata, plan: StepPlan,
+                         output: torch.Tensor | None = None) -> None:
+        """Add this step's attention probabilities to each kept token's mass, per KV head, in
+        one kernel pass that holds one query's logits at a time; with `output`, the same pass
+        computes the attention output too (decode-only steps: no second pass over the keys)."""
+        worker_state = runtime.worker_state()
+        started = time.perf_counter()
+        queries = plan.mass_queries
+        query = query[: len(queries.tokens)] if queries.decode_only else query[queries.tokens]
+        kernels.attention_mass(query, kv_cache, _layout_of(layer, kv_cache), attn_metadata.block_table,
+                               queries.rows, queries.key_counts, self.scale,
+                               worker_state.scores.by_slot[_layer_index(layer)], output)
+        worker_state.score_seconds += time.perf_counter() - started
+
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         plan = getattr(attn_metadata, "kvprune_plan", None)
         layer_tables = getattr(attn_metadata, "kvprune_layer_tables", None)
         if layer_tables is not None:
             attn_metadata = dataclasses.replace(attn_metadata, block_table=layer_tables[_layer_index(layer)])
+        if plan is not None and plan.mass_queries is not None and plan.mass_queries.decode_only \
+                and FUSED_DECODE_MASS:
+            num_tokens = len(plan.mass_queries.tokens)
+            self._accumulate_mass(layer, query, kv_cache, attn_metadata, plan,
+                                  output=output[:num_tokens].view(num_tokens, self.num_heads, self.head_size))
+            return output
         output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        if plan is not None and plan.mass_queries is not None:
+            self._accumulate_mass(layer, query, kv_cache, attn_metadata, plan)
         if plan is not None and plan.post_moves is not None:
             kernels.copy_slots(kv_cache, *plan.post_moves, _layout_of(layer, kv_cache))
         if plan is not None and plan.prefill_compactions:
-            self._prune_prompts(layer, kv_cache, plan)
+            if plan.head_slot_mapping is not None:
+                self._prune_prompts_per_head(layer, kv_cache, plan)
+            else:
+                self._prune_prompts(layer, kv_cache, plan)
         return output
 
     def _prune_prompts(self, layer, kv_cache, plan: StepPlan) -> None:
@@ -149,6 +201,25 @@ class KVPruneImpl(CPUAttentionBackendImpl):
         kernels.copy_slots(kv_cache, sources, destinations, _layout_of(layer, kv_cache))
         scores.by_slot[layer_index, destinations] = scores.by_slot[layer_index, sources]
 
+    def _prune_prompts_per_head(self, layer, kv_cache, plan: StepPlan) -> None:
+        """After a prompt's last chunk has attended to all of it: each KV head of this layer
+        keeps its own `keep` tokens, in order, in the prompt's first slots (mass follows)."""
+        mass = runtime.worker_state().scores
+        layer_index = _layer_index(layer)
+        sources, destinations = [], []
+        for compaction in plan.prefill_compactions:
+            state, slots, keep = compaction.state, compaction.prompt_slots, compaction.keep
+            kept = state.policy.prefill_survivors(mass.by_slot[layer_index][:, slots], keep, state.config)
+            state.heads.set_layer_survivors(layer_index, kept.numpy())
+            source = slots[kept].T  # [keep, heads]
+            destination = slots[:keep, None].expand_as(source).clone()
+            destination[source == destination] = SKIP
+            sources.append(source)
+            destinations.append(destination)
+        sources, destinations = torch.cat(sources), torch.cat(destinations)
+        kernels.copy_slots(kv_cache, sources, destinations, _layout_of(layer, kv_cache))
+        mass.move(layer_index, sources, destinations)
+
     def _reanchor_sinks(self, layer, kv_cache, plan: StepPlan, layout) -> None:
         keys, values, shifts, slots = [], [], [], []
         for anchor in plan.sink_anchors:
@@ -163,7 +234,7 @@ class KVPruneImpl(CPUAttentionBackendImpl):
 
 
 def _layer_index(layer) -> int:
-    """The layer's row in the per-layer plan tensors and score table (block policies)."""
+    """The layer's row in the per-layer plan tensors and score tables (scored policies)."""
     return runtime.worker_state().scores.layer_index[layer.layer_name]
 
 

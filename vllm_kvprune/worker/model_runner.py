@@ -22,8 +22,9 @@ class KVPruneCPUModelRunner(CPUModelRunner):
         if self.kv_state.policy is None:
             return
         [group] = kv_cache_config.kv_cache_groups  # one full-attention group with a policy
-        self.kv_state.bind_cache(list(group.layer_names), kv_cache_config.num_blocks,
-                                 group.kv_cache_spec.block_size, self.model_config.get_total_num_kv_heads())
+        spec = group.kv_cache_spec
+        self.kv_state.bind_cache(list(group.layer_names), kv_cache_config.num_blocks, spec.block_size,
+                                 self.model_config.get_total_num_kv_heads(), spec.num_kv_heads)
 
     def _update_states(self, scheduler_output):
         # A preempted request lost its blocks; it re-prefills from scratch when resumed.

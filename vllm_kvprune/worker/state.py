@@ -20,6 +20,7 @@ import torch
 from vllm_kvprune.config import KVPolicyConfig
 from vllm_kvprune.policies import Policy, get_policy
 from vllm_kvprune.worker.block_map import LayerBlockMap
+from vllm_kvprune.worker.head_map import SKIP, HeadSlotMap
 from vllm_kvprune.worker.slot_map import NO_MOVES, Moves, SlotMap
 
 DEBUG = os.environ.get("VLLM_KVPRUNE_DEBUG", "0") == "1"
@@ -38,6 +39,8 @@ class RequestKVState:
     sink_shift: int = 0
     # Block policies: each layer's block order (replaces `slots`, which stays empty).
     blocks: LayerBlockMap | None = None
+    # Head-wise policies: each layer's and KV head's slot map (replaces `slots` too).
+    heads: HeadSlotMap | None = None
 
 
 @dataclass
@@ -65,6 +68,22 @@ class StepPlan:
     layer_slot_mapping: torch.Tensor | None = None
     block_orders: list[tuple[int, np.ndarray]] = field(default_factory=list)
     prefill_compactions: list[PrefillCompaction] = field(default_factory=list)
+    # Head-wise policies: slots per layer, token and KV head [layers, T, heads], the moves
+    # before they are written ([layers, M, heads] sources and destinations, SKIP-padded),
+    # and whose attention mass each layer accumulates after its attention.
+    head_slot_mapping: torch.Tensor | None = None
+    head_moves: tuple[torch.Tensor, torch.Tensor] | None = None
+    mass_queries: MassQueries | None = None
+
+
+@dataclass
+class MassQueries:
+    """The queries whose attention mass is kept this step, one entry per query token."""
+
+    tokens: torch.Tensor  # [N] token index in the batch
+    rows: torch.Tensor  # [N] block-table row
+    key_counts: torch.Tensor  # [N] physical keys it attends to (causal inside a prompt chunk)
+    decode_only: bool  # every token is its row's single decode token, in batch order
 
 
 @dataclass
@@ -103,6 +122,35 @@ class LayerScores:
         return _sum_over_ranks(self.by_slot[layer, slots]) / self.total_kv_heads
 
 
+class HeadMass:
+    """Accumulated attention mass of every layer and local KV head, `[layers, heads,
+    num_blocks * block_size]`, indexed by global slot like the cache. Each head is decided on
+    by the rank that holds it, so no rank needs another's mass."""
+
+    def __init__(self, layer_names: list[str], num_blocks: int, block_size: int, num_heads: int) -> None:
+        self.layer_index = {name: i for i, name in enumerate(layer_names)}
+        self.by_slot = torch.zeros(len(layer_names), num_heads, num_blocks * block_size, dtype=torch.float32)
+
+    @property
+    def num_layers(self) -> int:
+        return self.by_slot.shape[0]
+
+    @property
+    def num_heads(self) -> int:
+        return self.by_slot.shape[1]
+
+    def move(self, layer: int, sources: torch.Tensor, destinations: torch.Tensor) -> None:
+        """Mass follows tokens moved per head (`[M, heads]` global slots, SKIP ignored)."""
+        heads = torch.arange(self.num_heads).expand_as(destinations)
+        moved = destinations != SKIP
+        layer_mass = self.by_slot[layer]
+        layer_mass[heads[moved], destinations[moved]] = layer_mass[heads[moved], sources[moved]]
+
+    def reset(self, layer: int, slots: torch.Tensor) -> None:
+        """New tokens start with no mass (`[T, heads]` global slots)."""
+        self.by_slot[layer][torch.arange(self.num_heads).expand_as(slots), slots] = 0.0
+
+
 def _sum_over_ranks(local_sums: torch.Tensor) -> torch.Tensor:
     """Add up what each tensor-parallel rank scored over its own KV heads."""
     from vllm.distributed import parallel_state
@@ -131,12 +179,20 @@ class WorkerKVState:
         self.requests: dict[str, RequestKVState] = {}
         self.rows: StepRows | None = None
         self.policy = get_policy(engine_config.name) if engine_config.active else None
-        self.scores: LayerScores | None = None  # block policies, once the cache exists
+        # Scored policies, once the cache exists: LayerScores (block) or HeadMass (head).
+        self.scores: LayerScores | HeadMass | None = None
+        # Wall time spent keeping scores (H2O's attention mass), for the benchmarks.
+        self.score_seconds = 0.0
 
-    def bind_cache(self, layer_names: list[str], num_blocks: int, block_size: int, total_kv_heads: int) -> None:
-        """Called once the KV cache is allocated; block policies keep scores per slot."""
-        if self.policy is not None and self.policy.granularity == "block":
+    def bind_cache(self, layer_names: list[str], num_blocks: int, block_size: int, total_kv_heads: int,
+                   local_kv_heads: int | None = None) -> None:
+        """Called once the KV cache is allocated; scored policies keep scores per slot
+        (`local_kv_heads`: this rank's share of the heads, all of them by default)."""
+        granularity = self.policy.granularity if self.policy is not None else None
+        if granularity == "block":
             self.scores = LayerScores(layer_names, num_blocks, block_size, total_kv_heads)
+        elif granularity == "head":
+            self.scores = HeadMass(layer_names, num_blocks, block_size, local_kv_heads or total_kv_heads)
 
     def drop(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
@@ -149,6 +205,8 @@ class WorkerKVState:
             state = RequestKVState(config=config, policy=get_policy(config.name))
             if state.policy.granularity == "block":
                 state.blocks = LayerBlockMap(self.scores.num_layers, self.scores.block_size)
+            elif state.policy.granularity == "head":
+                state.heads = HeadSlotMap(self.scores.num_layers, self.scores.num_heads)
             self.requests[request_id] = state
         return state
 
@@ -177,7 +235,7 @@ class WorkerKVState:
 class _PlanBuilder:
     """Accumulates the rows of one step into a `StepPlan`."""
 
-    def __init__(self, block_size: int, scores: LayerScores | None = None) -> None:
+    def __init__(self, block_size: int, scores: LayerScores | HeadMass | None = None) -> None:
         self.block_size = block_size
         self.scores = scores
         self.layer_slots: list[np.ndarray] = []
@@ -189,6 +247,10 @@ class _PlanBuilder:
         self.post_moves: list[tuple[np.ndarray, np.ndarray]] = []
         self.sink_captures: list[tuple[RequestKVState, torch.Tensor]] = []
         self.sink_anchors: list[SinkAnchor] = []
+        self.head_slots: list[np.ndarray] = []
+        self.head_moves: list[tuple[np.ndarray, np.ndarray]] = []
+        self.mass_queries: list[np.ndarray] = []  # [q, 3]: token, row, key count
+        self.decode_only = True
 
     def _global(self, block_row: np.ndarray, slots: np.ndarray) -> np.ndarray:
         return block_row[slots // self.block_size].astype(np.int64) * self.block_size + slots % self.block_size
@@ -201,6 +263,9 @@ class _PlanBuilder:
                 num_prompt: int, block_row: np.ndarray) -> None:
         if state.blocks is not None:
             self._add_block_row(state, num_computed, num_new, num_prompt, block_row)
+            return
+        if state.heads is not None:
+            self._add_head_row(state, first_token, num_computed, num_new, num_prompt, block_row)
             return
         config, slots = state.config, state.slots
         positions = np.arange(num_computed, num_computed + num_new, dtype=np.int64)
@@ -256,6 +321,56 @@ class _PlanBuilder:
         if DEBUG:
             blocks.check()
 
+    def _add_head_row(self, state: RequestKVState, first_token: int, num_computed: int, num_new: int,
+                      num_prompt: int, block_row: np.ndarray) -> None:
+        """A head-wise policy's row: the prompt is written in table order, its mass kept as it
+        is attended to, and pruned per layer and head at its end; past it, once the cache is
+        full, every head evicts its own lowest-mass tokens and the new token takes one of
+        their slots in that head (EQUIP, per head)."""
+        config, heads = state.config, state.heads
+        row = len(self.seq_lens)
+        num_layers, num_heads = heads.logical.shape[:2]
+        if num_computed < num_prompt:
+            kept_before_new = heads.num_valid
+            local = np.broadcast_to(heads.append(np.arange(num_computed, num_computed + num_new)),
+                                    (num_layers, num_heads, num_new)).transpose(0, 2, 1)
+            self._add_mass_queries(first_token, num_new, row, kept_before_new)
+            self.decode_only = False
+            ends = num_computed + num_new == num_prompt
+            if ends and heads.num_valid + 1 > config.max_cached and heads.num_valid > config.budget - 1:
+                self.prefill_compactions.append(PrefillCompaction(
+                    state, torch.from_numpy(self._global(block_row, np.arange(heads.num_valid))), config.budget - 1))
+                heads.truncate(config.budget - 1)
+        else:
+            assert num_new == 1, "a bounded request runs one token per step past its prompt"
+            kept_before_new = heads.num_valid
+            if heads.num_valid + 1 > config.max_cached:
+                slots = torch.from_numpy(self._global(block_row, np.arange(heads.num_valid)))
+                victims = state.policy.evicted(self.scores.by_slot[:, :, slots], torch.from_numpy(heads.logical),
+                                               heads.num_valid + 1 - config.budget, num_computed, config)
+                new_slots, sources, destinations = heads.replace(victims.numpy(), num_computed)
+                local = new_slots[:, None, :]
+                kept_before_new = config.budget - 1
+                if sources.shape[1]:
+                    self.head_moves.append((self._global_or_skip(block_row, sources),
+                                            self._global_or_skip(block_row, destinations)))
+            else:
+                local = np.broadcast_to(heads.append(np.array([num_computed])), (num_layers, num_heads, 1))
+                local = local.transpose(0, 2, 1)
+            self._add_mass_queries(first_token, 1, row, kept_before_new)
+        self.head_slots.append(self._global(block_row, local))
+        self.seq_lens.append(kept_before_new + num_new)
+        if DEBUG and not (heads.logical == SKIP).any():  # a pruned prompt is checked next step
+            heads.check()
+
+    def _add_mass_queries(self, first_token: int, num_new: int, row: int, kept_before_new: int) -> None:
+        offsets = np.arange(num_new, dtype=np.int64)
+        self.mass_queries.append(np.stack([first_token + offsets, np.full(num_new, row),
+                                           kept_before_new + 1 + offsets], axis=1))
+
+    def _global_or_skip(self, block_row: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        return np.where(slots == SKIP, SKIP, self._global(block_row, np.maximum(slots, 0)))
+
     def _plan_sinks(self, state: RequestKVState, first_token: int, num_computed: int, num_new: int,
                     kept_before_new: int, block_row: np.ndarray) -> None:
         config = state.config
@@ -276,6 +391,8 @@ class _PlanBuilder:
     def finish(self) -> StepPlan:
         if self.layer_slots:
             return self._finish_block_plan()
+        if self.head_slots:
+            return self._finish_head_plan()
         return StepPlan(
             slot_mapping=torch.from_numpy(np.concatenate(self.slot_mapping)),
             seq_lens=torch.tensor(self.seq_lens, dtype=torch.int32),
@@ -293,6 +410,24 @@ class _PlanBuilder:
             layer_slot_mapping=layer_slots,
             block_orders=self.block_orders,
             prefill_compactions=self.prefill_compactions,
+        )
+
+
+    def _finish_head_plan(self) -> StepPlan:
+        head_slots = torch.from_numpy(np.ascontiguousarray(np.concatenate(self.head_slots, axis=1)))
+        moves = None
+        if self.head_moves:
+            moves = tuple(torch.from_numpy(np.ascontiguousarray(np.concatenate(part, axis=1)))
+                          for part in zip(*self.head_moves))
+        queries = torch.from_numpy(np.concatenate(self.mass_queries)).T.contiguous()
+        return StepPlan(
+            slot_mapping=head_slots[0, :, 0],
+            seq_lens=torch.tensor(self.seq_lens, dtype=torch.int32),
+            head_slot_mapping=head_slots,
+            head_moves=moves,
+            prefill_compactions=self.prefill_compactions,
+            mass_queries=MassQueries(tokens=queries[0], rows=queries[1], key_counts=queries[2],
+                                     decode_only=self.decode_only),
         )
 
 

@@ -1,0 +1,160 @@
+"""The `h2o` policy in real vLLM engines: parity with the reference implementation, the
+engine-core invariants with per-head slot maps, per-request settings, preemption and aborts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import engine, runner_of, scheduler_of
+from test_streaming_engine import (all_blocks_free, greedy, prompts, run_counting_preemptions, run_steps,
+                                   tokens_and_logprobs)
+
+SINKS = 2
+# Prompts shorter and longer than the budget; generations of at least 4x the budget.
+PROMPT_LENGTHS = (20, 150, 300)
+
+
+def engine_policy(budget: int, interval: int = 1, recent: int | None = None, sinks: int = SINKS) -> dict:
+    return {"name": "h2o", "budget": budget, "sinks": sinks, "prune_interval": interval, "recent": recent}
+
+
+def reference_for(model, budget: int, interval: int = 1, recent: int | None = None, sinks: int = SINKS):
+    from vllm_kvprune.config import KVPolicyConfig
+    from vllm_kvprune.reference.h2o import H2OReference
+
+    config = KVPolicyConfig.from_dict(engine_policy(budget, interval, recent, sinks))
+    return H2OReference(model, budget=budget, recent=config.recent_size, sinks=sinks, prune_interval=interval)
+
+
+def assert_matches(outputs, prompt_ids, reference, num_tokens: int) -> None:
+    for prompt, output in zip(prompt_ids, outputs):
+        expected = reference.generate(prompt, num_tokens, prompt_logprobs=False)
+        token_ids, logprobs = tokens_and_logprobs(output)
+        first_diff = next((i for i, (a, b) in enumerate(zip(token_ids, expected.token_ids)) if a != b), None)
+        assert first_diff is None, (
+            f"prompt of {len(prompt)}: first different token at step {first_diff}; "
+            f"the reference's top-1/top-2 margin there is {expected.margins[first_diff]:.2e}"
+        )
+        assert np.max(np.abs(np.array(logprobs) - np.array(expected.logprobs))) < 1e-3
+
+
+PARITY_CASES = [(64, 1, None), (64, 8, None), (96, 1, 16), (96, 8, 16)]
+
+
+@pytest.mark.parametrize("budget, interval, recent", PARITY_CASES,
+                         ids=[f"B{b}-R{r}-recent{w}" for b, r, w in PARITY_CASES])
+def test_parity_with_reference(tiny_model, reference_model, budget, interval, recent):
+    num_tokens = 4 * budget
+    prompt_ids = prompts(PROMPT_LENGTHS)
+    with engine(tiny_model, engine_policy(budget, interval, recent)) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], greedy(num_tokens), use_tqdm=False)
+    assert_matches(outputs, prompt_ids, reference_for(reference_model, budget, interval, recent), num_tokens)
+
+
+def check_invariants(llm, heads_differ: list[bool]) -> None:
+    """Cap after the prompt (scheduler); per layer and head, no slot held twice, every token
+    inside its request's own blocks, sinks and the recent window kept by every head (worker)."""
+    scheduler, runner = scheduler_of(llm), runner_of(llm)
+    block_size = scheduler.cache_config.block_size
+    for request in scheduler.running:
+        policy = scheduler.request_policies[request.request_id]
+        if request.num_computed_tokens > request.num_prompt_tokens:
+            assert scheduler.held_blocks(request.request_id) <= policy.cap_blocks(block_size)
+    owners: set[int] = set()
+    for request_id, state in runner.kv_state.requests.items():
+        if request_id not in runner.requests:
+            continue
+        heads, config = state.heads, state.config
+        heads.check()
+        request = scheduler.requests.get(request_id)
+        if request is not None and request.num_computed_tokens >= request.num_prompt_tokens:
+            assert heads.num_valid <= config.max_cached
+        block_row = np.array(runner.requests[request_id].block_ids[0])
+        local = np.arange(heads.num_valid)
+        assert (local // block_size < len(block_row)).all(), "a head reads a block the request does not hold"
+        for slot in (block_row[local // block_size] * block_size + local % block_size).tolist():
+            assert slot not in owners, f"slot {slot} held by two requests"
+            owners.add(slot)
+        held = np.sort(heads.logical, axis=2)
+        if heads.num_valid >= config.budget - 1:
+            sinks = min(config.sinks, heads.num_valid)
+            assert (held[:, :, :sinks] == np.arange(sinks)).all(), "a head lost a sink"
+            newest = held[0, 0, -1]
+            window = np.arange(newest - config.recent_size + 1, newest + 1)
+            assert (held[:, :, held.shape[2] - len(window):] == window).all(), "a head lost a recent token"
+        heads_differ.append(bool((heads.logical != heads.logical[:, :1]).any()))
+
+
+@pytest.fixture(scope="class")
+def h2o_llm(tiny_model):
+    with engine(tiny_model, engine_policy(96), kv_blocks=512) as llm:
+        yield llm
+
+
+class TestSharedEngine:
+    """Tests that share one engine; it is closed when the class ends, before any other opens."""
+
+    def test_invariants_during_a_mixed_batch(self, h2o_llm):
+        rng = np.random.default_rng(1)
+        lengths = rng.integers(3, 400, size=24).tolist()
+        prompt_ids = prompts(lengths, seed=2)
+        params = [greedy(int(rng.integers(20, 300)), **({"kv_budget": int(rng.choice([64, 128, 200]))}
+                                                         if i % 2 else {})) for i in range(24)]
+        heads_differ: list[bool] = []
+        finished = run_steps(h2o_llm, prompt_ids, params, on_step=lambda: check_invariants(h2o_llm, heads_differ))
+        assert len(finished) == 24
+        assert all(len(finished[str(i)].outputs[0].token_ids) == params[i].max_tokens for i in range(24))
+        assert all_blocks_free(h2o_llm)
+        assert any(heads_differ), "heads were expected to keep different tokens"
+
+    def test_abort_midway_returns_every_block(self, h2o_llm):
+        prompt_ids = prompts((50, 120, 200, 10, 80, 300), seed=3)
+        finished = run_steps(h2o_llm, prompt_ids, [greedy(200)] * len(prompt_ids), abort=(40, ["1", "3", "4"]),
+                             on_step=lambda: check_invariants(h2o_llm, []))
+        assert {"0", "2", "5"} <= set(finished)
+        assert all_blocks_free(h2o_llm)
+
+    def test_mixed_settings_equal_solo_runs(self, h2o_llm):
+        settings = [{"kv_budget": 64}, {"kv_budget": 128, "kv_recent": 8}, {}, {"kv_budget": 200, "kv_sinks": 0}]
+        prompt_ids = prompts((140, 90, 300, 200), seed=4)
+        batch = h2o_llm.generate([{"prompt_token_ids": p} for p in prompt_ids],
+                                 [greedy(300, **s) for s in settings], use_tqdm=False)
+        for prompt, setting, together in zip(prompt_ids, settings, batch):
+            [alone] = h2o_llm.generate([{"prompt_token_ids": prompt}], greedy(300, **setting), use_tqdm=False)
+            assert together.outputs[0].token_ids == alone.outputs[0].token_ids
+
+    def test_bad_recent_override_is_refused(self, h2o_llm):
+        from vllm.exceptions import VLLMValidationError
+
+        with pytest.raises(VLLMValidationError, match="kv_recent"):
+            h2o_llm.generate([{"prompt_token_ids": [5, 6, 7]}], greedy(8, kv_recent=200), use_tqdm=False)
+        [output] = h2o_llm.generate([{"prompt_token_ids": [5, 6, 7]}], greedy(8), use_tqdm=False)
+        assert len(output.outputs[0].token_ids) == 8
+
+
+def test_preemption_recompute_is_exact(tiny_model, reference_model):
+    """8 requests on a 14-block pool, each growing to its 3-block cap: preemptions."""
+    prompt_ids = prompts((10, 12, 120, 8, 100, 15, 25, 9), seed=5)
+    params = [greedy(200)] * len(prompt_ids)
+    with engine(tiny_model, engine_policy(64, interval=8), kv_blocks=14 + 1) as llm:
+        finished, most_preemptions = run_counting_preemptions(llm, prompt_ids, params,
+                                                              lambda: check_invariants(llm, []))
+        assert all_blocks_free(llm)
+    assert most_preemptions > 0, "the pool was meant to force preemption"
+    reference = reference_for(reference_model, 64, interval=8)
+    for i, prompt in enumerate(prompt_ids):
+        expected = reference.generate(prompt, 200, prompt_logprobs=False)
+        assert list(finished[str(i)].outputs[0].token_ids) == expected.token_ids, f"request {i}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget, interval", [(128, 1), (128, 8)])
+def test_parity_real_model(real_model, budget, interval):
+    from vllm_kvprune.reference.model import load_reference_model
+
+    num_tokens = 4 * budget
+    prompt_ids = prompts((400,), seed=7)
+    with engine(real_model, engine_policy(budget, interval), kv_blocks=256) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], greedy(num_tokens), use_tqdm=False)
+    assert_matches(outputs, prompt_ids, reference_for(load_reference_model(real_model), budget, interval), num_tokens)

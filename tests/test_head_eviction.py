@@ -1,0 +1,135 @@
+"""Head-wise eviction (H2O) on the worker, without an engine: the slot map per layer and KV
+head, the policy's choices, and the impl's steps (per-head writes, attention mass, prompt
+pruning) run on a real cache with keys and queries built so that each head's choice is known."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_kvprune import kernels
+from vllm_kvprune.config import KVPolicyConfig
+from vllm_kvprune.policies import H2OPolicy
+from vllm_kvprune.worker import runtime
+from vllm_kvprune.worker.backend import KVPruneImpl
+from vllm_kvprune.worker.head_map import SKIP, HeadSlotMap
+from vllm_kvprune.worker.state import StepRows, WorkerKVState
+
+BLOCK_SIZE, HEADS, HEAD_DIM, NUM_BLOCKS = 32, 2, 64, 8
+LAYERS = ["model.layers.0.self_attn.attn"]
+BLOCK_ROW = np.array([5, 2, 7, 1, 0, 0], np.int32)  # the request's blocks in the pool
+
+
+def h2o_config(budget: int, sinks: int, recent: int, interval: int = 1) -> KVPolicyConfig:
+    return KVPolicyConfig.from_dict({"name": "h2o", "budget": budget, "sinks": sinks, "recent": recent,
+                                     "prune_interval": interval})
+
+
+# ---- the policy's choices ---------------------------------------------------------------------
+
+def test_evicts_lowest_mass_outside_sinks_and_recent_oldest_first_on_ties():
+    config = h2o_config(budget=8, sinks=2, recent=2)
+    logical = torch.tensor([[0, 1, 9, 3, 4, 5, 6, 7, 8]])  # slot 2 holds the newest but one
+    mass = torch.tensor([[0.0, 0.0, 0.0, 5.0, 1.0, 1.0, 2.0, 0.5, 3.0]])
+    # Next position 10: recent = 8, 9 (slots 8, 2); sinks = slots 0, 1.
+    assert H2OPolicy().evicted(mass, logical, 1, 10, config).tolist() == [[7]]
+    # Slots 4 and 5 tie at 1.0: position 4 (older) goes before position 5.
+    assert H2OPolicy().evicted(mass, logical, 2, 10, config).tolist() == [[7, 4]]
+    tied = torch.tensor([[0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]])
+    reordered = torch.tensor([[0, 1, 9, 6, 5, 4, 3, 7, 8]])
+    assert sorted(H2OPolicy().evicted(tied, reordered, 2, 10, config)[0].tolist()) == [5, 6]  # positions 3, 4
+
+
+def test_replace_one_victim_per_head_writes_in_place():
+    heads = HeadSlotMap(num_layers=2, num_heads=2)
+    heads.append(np.arange(6))
+    victims = np.array([[[3], [1]], [[5], [2]]])
+    new_slots, sources, destinations = heads.replace(victims, 6)
+    assert new_slots.tolist() == [[3, 1], [5, 2]] and sources.shape[1] == 0
+    assert heads.logical[0, 0].tolist() == [0, 1, 2, 6, 4, 5] and heads.logical[1, 1].tolist() == [0, 1, 6, 3, 4, 5]
+    heads.check()
+
+
+def test_replace_lazy_fills_holes_from_the_end_per_head():
+    heads = HeadSlotMap(num_layers=1, num_heads=2)
+    heads.append(np.arange(8))
+    new_slots, sources, destinations = heads.replace(np.array([[[1, 2, 6], [5, 6, 7]]]), 8)
+    assert new_slots.tolist() == [[1, 5]]
+    # head 0: holes 1, 2 below the new end 6; slot 7 survives past it and moves to hole 2.
+    assert sources[0, :, 0].tolist() == [7, SKIP] and destinations[0, :, 0].tolist() == [2, SKIP]
+    # head 1: every victim is at or past the new end but one: nothing moves.
+    assert (destinations[0, :, 1] == SKIP).all()
+    assert heads.logical[0].tolist() == [[0, 8, 7, 3, 4, 5], [0, 1, 2, 3, 4, 8]]
+    heads.check()
+
+
+# ---- per-head independence through the impl's steps -------------------------------------------
+
+def unit(vector: torch.Tensor) -> torch.Tensor:
+    return vector / vector.norm()
+
+
+def constructed_prompt(num_tokens: int, favoured: tuple[int, int], seed: int = 0):
+    """Queries, keys and values `[T, heads, D]` where every query of head h points at the key
+    of token `favoured[h]` and away from the other head's favourite (so its mass there is ~0)."""
+    gen = torch.Generator().manual_seed(seed)
+    key = torch.randn(num_tokens, HEADS, HEAD_DIM, generator=gen) * 0.1
+    direction = [unit(torch.randn(HEAD_DIM, generator=gen)) for _ in range(HEADS)]
+    query = torch.stack([direction[h].expand(num_tokens, -1) for h in range(HEADS)], dim=1) * 4
+    for head in range(HEADS):
+        key[favoured[head], head] = direction[head] * 4
+        key[favoured[1 - head], head] = -direction[head] * 4
+    value = torch.randn(num_tokens, HEADS, HEAD_DIM, generator=gen)
+    return query, key, value
+
+
+def run_layer_step(state: WorkerKVState, impl, layer, kv_cache, plan, query, key, value) -> None:
+    """What the impl does in one layer, minus vLLM's own attention kernel (whose output H2O
+    does not change): per-head writes, mass accumulation, prompt pruning."""
+    block_table = torch.from_numpy(BLOCK_ROW[None].astype(np.int32))
+    KVPruneImpl._write_per_head(impl, layer, key, value, kv_cache, plan)
+    KVPruneImpl._accumulate_mass(impl, layer, query, kv_cache, SimpleNamespace(block_table=block_table), plan)
+    if plan.prefill_compactions:
+        KVPruneImpl._prune_prompts_per_head(impl, layer, kv_cache, plan)
+
+
+@pytest.mark.parametrize("interval", [1, 4])
+def test_each_head_keeps_its_own_heavy_hitter(interval):
+    num_prompt, favoured = 80, (10, 20)
+    config = h2o_config(budget=48, sinks=2, recent=8, interval=interval)
+    state = WorkerKVState(config)
+    state.bind_cache(LAYERS, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, total_kv_heads=HEADS)
+    runtime.install(state)
+    layout = kernels.vec_layout(torch.float32, BLOCK_SIZE, HEAD_DIM)
+    kv_cache = torch.zeros(NUM_BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD_DIM)
+    layer = SimpleNamespace(layer_name=LAYERS[0], isa="vec")
+    impl = SimpleNamespace(scale=HEAD_DIM ** -0.5)
+    query, key, value = constructed_prompt(num_prompt + 12, favoured)
+
+    def step(num_computed: int, num_new: int):
+        state.rows = StepRows(["r"], np.array([num_computed]), np.array([num_prompt]), BLOCK_ROW[None], [None])
+        plan = state.plan(np.array([0, num_new]), BLOCK_SIZE)
+        span = slice(num_computed, num_computed + num_new)
+        run_layer_step(state, impl, layer, kv_cache, plan, query[span], key[span], value[span])
+        return plan
+
+    step(0, num_prompt)
+    heads = state.requests["r"].heads
+    assert heads.num_valid == 47
+    for computed in range(num_prompt, num_prompt + 12):  # decode: evictions by mass, per head
+        step(computed, 1)
+        heads.check()
+    held = heads.logical[0]
+    assert favoured[0] in held[0] and favoured[1] not in held[0], "head 0 keeps token 10, drops token 20"
+    assert favoured[1] in held[1] and favoured[0] not in held[1], "head 1 keeps token 20, drops token 10"
+    # The cache itself holds, in each head's slots, the keys its map says.
+    slots = torch.from_numpy(BLOCK_ROW[np.arange(heads.num_valid) // BLOCK_SIZE].astype(np.int64) * BLOCK_SIZE
+                             + np.arange(heads.num_valid) % BLOCK_SIZE)
+    cached_key, cached_value = kernels.read_slots(kv_cache, slots, layout)
+    for head in range(HEADS):
+        expected = key[torch.from_numpy(held[head]), head]
+        torch.testing.assert_close(cached_key[:, head], expected)
+        torch.testing.assert_close(cached_value[:, head], value[torch.from_numpy(held[head]), head])
