@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from conftest import engine, runner_of, scheduler_of
-from test_streaming_engine import (all_blocks_free, greedy, prompts, run_counting_preemptions, run_steps,
-                                   tokens_and_logprobs)
+from test_streaming_engine import (all_blocks_free, assert_same_as, greedy, prompts, run_counting_preemptions,
+                                   run_steps)
 
 SINKS = 2
 # Prompts shorter and longer than the budget; generations of at least 4x the budget.
@@ -27,18 +27,6 @@ def reference_for(model, budget: int, interval: int = 1, recent: int | None = No
     return H2OReference(model, budget=budget, recent=config.recent_size, sinks=sinks, prune_interval=interval)
 
 
-def assert_matches(outputs, prompt_ids, reference, num_tokens: int) -> None:
-    for prompt, output in zip(prompt_ids, outputs):
-        expected = reference.generate(prompt, num_tokens, prompt_logprobs=False)
-        token_ids, logprobs = tokens_and_logprobs(output)
-        first_diff = next((i for i, (a, b) in enumerate(zip(token_ids, expected.token_ids)) if a != b), None)
-        assert first_diff is None, (
-            f"prompt of {len(prompt)}: first different token at step {first_diff}; "
-            f"the reference's top-1/top-2 margin there is {expected.margins[first_diff]:.2e}"
-        )
-        assert np.max(np.abs(np.array(logprobs) - np.array(expected.logprobs))) < 1e-3
-
-
 PARITY_CASES = [(64, 1, None), (64, 8, None), (96, 1, 16), (96, 8, 16)]
 
 
@@ -49,7 +37,7 @@ def test_parity_with_reference(tiny_model, reference_model, budget, interval, re
     prompt_ids = prompts(PROMPT_LENGTHS)
     with engine(tiny_model, engine_policy(budget, interval, recent)) as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], greedy(num_tokens), use_tqdm=False)
-    assert_matches(outputs, prompt_ids, reference_for(reference_model, budget, interval, recent), num_tokens)
+    assert_same_as(reference_for(reference_model, budget, interval, recent), outputs, prompt_ids, num_tokens)
 
 
 def check_invariants(llm, heads_differ: list[bool]) -> None:
@@ -157,4 +145,4 @@ def test_parity_real_model(real_model, budget, interval):
     prompt_ids = prompts((400,), seed=7)
     with engine(real_model, engine_policy(budget, interval), kv_blocks=256) as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], greedy(num_tokens), use_tqdm=False)
-    assert_matches(outputs, prompt_ids, reference_for(load_reference_model(real_model), budget, interval), num_tokens)
+    assert_same_as(reference_for(load_reference_model(real_model), budget, interval), outputs, prompt_ids, num_tokens)

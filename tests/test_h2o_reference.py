@@ -1,4 +1,4 @@
-"""The H2O reference (the oracle for the coming `h2o` policy): its mass bookkeeping and its
+"""The H2O reference (the oracle of the `h2o` policy): its mass bookkeeping and its
 agreement with StreamingLLM when no heavy hitter is kept."""
 
 from __future__ import annotations

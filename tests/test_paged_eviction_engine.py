@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from conftest import engine, runner_of, scheduler_of
-from test_streaming_engine import (all_blocks_free, greedy, prompts, run_counting_preemptions, run_steps,
-                                   tokens_and_logprobs)
+from test_streaming_engine import (all_blocks_free, assert_same_as, greedy, prompts, run_counting_preemptions,
+                                   run_steps)
 
 SINKS = 4
 # Prompts shorter and longer than the budget; generations of at least 4x the budget.
@@ -18,16 +18,7 @@ PROMPT_LENGTHS = (20, 150, 300)
 def assert_matches_reference(outputs, prompt_ids, model, num_tokens: int, **policy) -> None:
     from vllm_kvprune.reference.paged_eviction import PagedEvictionReference
 
-    reference = PagedEvictionReference(model, **policy)
-    for prompt, output in zip(prompt_ids, outputs):
-        expected = reference.generate(prompt, num_tokens, prompt_logprobs=False)
-        token_ids, logprobs = tokens_and_logprobs(output)
-        first_diff = next((i for i, (a, b) in enumerate(zip(token_ids, expected.token_ids)) if a != b), None)
-        assert first_diff is None, (
-            f"prompt of {len(prompt)}: first different token at step {first_diff}; "
-            f"the reference's top-1/top-2 margin there is {expected.margins[first_diff]:.2e}"
-        )
-        assert np.max(np.abs(np.array(logprobs) - np.array(expected.logprobs))) < 1e-3
+    assert_same_as(PagedEvictionReference(model, **policy), outputs, prompt_ids, num_tokens)
 
 
 def engine_policy(budget: int, interval: int = 1, sinks: int = SINKS) -> dict:

@@ -36,9 +36,13 @@ def tokens_and_logprobs(output) -> tuple[list[int], list[float]]:
 def assert_matches_reference(outputs, prompt_ids, model, **policy):
     from vllm_kvprune.reference.streaming import StreamingLLMReference
 
-    reference = StreamingLLMReference(model, **policy)
+    assert_same_as(StreamingLLMReference(model, **policy), outputs, prompt_ids, GEN)
+
+
+def assert_same_as(reference, outputs, prompt_ids, num_tokens: int) -> None:
+    """The engine's greedy tokens equal the reference's, logprobs within 1e-3."""
     for prompt, output in zip(prompt_ids, outputs):
-        expected = reference.generate(prompt, GEN, prompt_logprobs=False)
+        expected = reference.generate(prompt, num_tokens, prompt_logprobs=False)
         token_ids, logprobs = tokens_and_logprobs(output)
         first_diff = next((i for i, (a, b) in enumerate(zip(token_ids, expected.token_ids)) if a != b), None)
         assert first_diff is None, (

@@ -4,6 +4,7 @@ with a contiguous per-layer cache.  See DESIGN.md section 7.
 * :mod:`.model`: shared plumbing (contiguous cache, manual forward, generation driver).
 * :mod:`.streaming`: StreamingLLM (``python -m vllm_kvprune.reference.streaming --help``).
 * :mod:`.paged_eviction`: PagedEviction (token pruning at prefill, block eviction at decode).
+* :mod:`.h2o`: H2O (heavy hitters by attention mass, per KV head, with eager attention).
 """
 
 from .model import (
@@ -20,6 +21,7 @@ from .model import (
 __all__ = [
     "BudgetedReference",
     "ContiguousKVCache",
+    "H2OReference",
     "PagedEvictionReference",
     "ReferenceOutput",
     "StepOutput",
@@ -37,6 +39,10 @@ def __getattr__(name: str):
         from .streaming import StreamingLLMReference
 
         return StreamingLLMReference
+    if name == "H2OReference":
+        from .h2o import H2OReference
+
+        return H2OReference
     if name == "PagedEvictionReference":
         from .paged_eviction import PagedEvictionReference
 

@@ -19,22 +19,29 @@ class HeadSlotMap:
     """
 
     def __init__(self, num_layers: int, num_heads: int) -> None:
-        self.logical = np.empty((num_layers, num_heads, 0), np.int64)
+        # Room to grow: a decode step appends one slot to every head, without reallocating.
+        self._held = np.empty((num_layers, num_heads, 64), np.int64)
+        self.num_valid = 0
 
     @property
-    def num_valid(self) -> int:
-        return self.logical.shape[2]
+    def logical(self) -> np.ndarray:
+        """`[layers, heads, num_valid]`, a view (writes land in the map)."""
+        return self._held[:, :, : self.num_valid]
 
     @property
     def num_layers(self) -> int:
-        return self.logical.shape[0]
+        return self._held.shape[0]
 
     def append(self, positions: np.ndarray) -> np.ndarray:
         """New tokens in the next slots, the same ones for every head; returns them `[q]`."""
-        start = self.num_valid
-        new = np.broadcast_to(positions.astype(np.int64), (*self.logical.shape[:2], len(positions)))
-        self.logical = np.concatenate([self.logical, new], axis=2)
-        return np.arange(start, self.num_valid, dtype=np.int64)
+        start, stop = self.num_valid, self.num_valid + len(positions)
+        if stop > self._held.shape[2]:
+            grown = np.empty((*self._held.shape[:2], max(stop, 2 * self._held.shape[2])), np.int64)
+            grown[:, :, :start] = self.logical
+            self._held = grown
+        self._held[:, :, start:stop] = positions
+        self.num_valid = stop
+        return np.arange(start, stop, dtype=np.int64)
 
     def replace(self, victims: np.ndarray, position: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """EQUIP per head: evict `victims` `[layers, heads, r]` (local slots) and write one new
@@ -49,14 +56,14 @@ class HeadSlotMap:
         new_valid = self.num_valid - count + 1
         if count == 1:
             new_slots = victims[:, :, 0].copy()
-            self.logical[np.arange(num_layers)[:, None], np.arange(num_heads), new_slots] = position
+            self._held[np.arange(num_layers)[:, None], np.arange(num_heads), new_slots] = position
             return new_slots, np.empty((num_layers, 0, num_heads), np.int64), np.empty((num_layers, 0, num_heads), np.int64)
         new_slots = np.empty((num_layers, num_heads), np.int64)
         sources = np.full((num_layers, count - 1, num_heads), SKIP, np.int64)
         destinations = np.full_like(sources, SKIP)
         for layer in range(num_layers):
             for head in range(num_heads):
-                logical = self.logical[layer, head]
+                logical = self._held[layer, head]
                 is_victim = np.zeros(self.num_valid, bool)
                 is_victim[victims[layer, head]] = True
                 holes = np.flatnonzero(is_victim[:new_valid])
@@ -66,17 +73,18 @@ class HeadSlotMap:
                 logical[holes[0]] = position
                 sources[layer, : len(stranded), head] = stranded
                 destinations[layer, : len(stranded), head] = holes[1:]
-        self.logical = self.logical[:, :, :new_valid].copy()
+        self.num_valid = new_valid
         return new_slots, sources, destinations
 
     def truncate(self, num_kept: int) -> None:
         """A prompt is being pruned to `num_kept` tokens per head; `set_layer_survivors`
         then records which ones each layer's heads kept."""
-        self.logical = np.full((*self.logical.shape[:2], num_kept), SKIP, np.int64)
+        self.num_valid = num_kept
+        self.logical[:] = SKIP
 
     def set_layer_survivors(self, layer: int, positions: np.ndarray) -> None:
         """`positions` `[heads, num_valid]`: what layer `layer`'s heads hold, slot by slot."""
-        self.logical[layer] = positions
+        self._held[layer, :, : self.num_valid] = positions
 
     def check(self) -> None:
         ordered = np.sort(self.logical, axis=2)
