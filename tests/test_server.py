@@ -67,6 +67,7 @@ def _complete(base: str, model: str, xargs: dict | None, endpoint: str = "comple
     ({"kv_budget": "many"}, "kv_budget"),
     ({"kv_sinks": 64}, "kv_sinks"),
     ({"kv_window": -1}, "kv_window"),
+    ({"kv_recent": -1}, "kv_recent"),
     ({"kv_bugdet": 64}, "kv_bugdet"),
 ])
 def test_bad_override_is_400_then_good_request_is_200(server, xargs, field):

@@ -40,6 +40,7 @@
 #include <immintrin.h>
 #endif
 
+#include "geometry.h"
 #include "page_access.h"
 
 namespace kvprune {
@@ -624,57 +625,11 @@ bool is_float_type(at::ScalarType t) {
   return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
 }
 
-PageGeometry make_geometry(const at::Tensor& kv_cache, const at::Tensor& key_offsets,
-                           const at::Tensor& value_offsets, c10::IntArrayRef tiling) {
-  TORCH_CHECK(kv_cache.device().is_cpu() && kv_cache.dim() == 4 && kv_cache.is_contiguous(),
-              "kvprune.attention_mass: kv_cache must be a contiguous CPU tensor [num_blocks, "
-              "num_kv_heads, block_size, 2*head_size], got shape ",
-              kv_cache.sizes());
-  TORCH_CHECK(is_float_type(kv_cache.scalar_type()),
-              "kvprune.attention_mass: kv_cache dtype must be float32, bfloat16 or float16, got ",
-              kv_cache.scalar_type());
-  TORCH_CHECK(kv_cache.size(3) % 2 == 0,
-              "kvprune.attention_mass: kv_cache last dim must be 2*head_size, got ",
-              kv_cache.size(3));
-  PageGeometry g;
-  g.num_heads = kv_cache.size(1);
-  g.block_size = kv_cache.size(2);
-  g.head_size = kv_cache.size(3) / 2;
-  g.page_elems = 2 * g.block_size * g.head_size;
-  g.num_slots = kv_cache.size(0) * g.block_size;
-  for (const auto& [offsets, name] :
-       {std::pair<const at::Tensor&, const char*>{key_offsets, "key_offsets"},
-        std::pair<const at::Tensor&, const char*>{value_offsets, "value_offsets"}}) {
-    TORCH_CHECK(offsets.device().is_cpu() && offsets.scalar_type() == at::kLong &&
-                    offsets.is_contiguous() && offsets.dim() == 2 &&
-                    offsets.size(0) == g.block_size && offsets.size(1) == g.head_size,
-                "kvprune.attention_mass: ", name,
-                " must be a contiguous int64 CPU tensor [block_size=", g.block_size,
-                ", head_size=", g.head_size, "], got ", offsets.scalar_type(), " ",
-                offsets.sizes(), " (layout probed for another cache shape?)");
-  }
-  g.key_offsets = key_offsets.const_data_ptr<int64_t>();
-  g.value_offsets = value_offsets.const_data_ptr<int64_t>();
-  g.tiled = false;
-  g.key_tile = g.key_pack = g.value_tile = g.value_pack = 1;
-  if (!tiling.empty()) {
-    TORCH_CHECK(tiling.size() == 4,
-                "kvprune.attention_mass: tiling must be [] or [key_tile, key_pack, value_tile, "
-                "value_pack], got ",
-                tiling);
-    g.key_tile = tiling[0];
-    g.key_pack = tiling[1];
-    g.value_tile = tiling[2];
-    g.value_pack = tiling[3];
-    const bool divides = g.key_tile > 0 && g.block_size % g.key_tile == 0 && g.key_pack > 0 &&
-                         g.head_size % g.key_pack == 0 && g.value_tile > 0 &&
-                         g.head_size % g.value_tile == 0 && g.value_pack > 0 &&
-                         g.block_size % g.value_pack == 0;
-    TORCH_CHECK(divides, "kvprune.attention_mass: tiling ", tiling,
-                " does not divide block_size=", g.block_size, ", head_size=", g.head_size);
-    // The tiled kernels score 16-token chunks of a K tile; other tilings use the maps.
-    g.tiled = g.key_tile % kTokenChunk == 0 && g.key_pack <= 2 && g.value_pack <= 2;
-  }
+// The shared checks, then the tiled kernels here need whole 16-token chunks of a K tile.
+PageGeometry attention_geometry(const at::Tensor& kv_cache, const at::Tensor& key_offsets,
+                                const at::Tensor& value_offsets, c10::IntArrayRef tiling) {
+  PageGeometry g = make_geometry(kv_cache, key_offsets, value_offsets, tiling);
+  g.tiled = g.tiled && g.key_tile % kTokenChunk == 0 && g.key_pack <= 2 && g.value_pack <= 2;
   return g;
 }
 
@@ -693,7 +648,7 @@ void attention_mass(const at::Tensor& query, const at::Tensor& kv_cache,
                     const std::optional<at::Tensor>& output, const at::Tensor& key_offsets,
                     const at::Tensor& value_offsets, c10::IntArrayRef tiling) {
   Problem P;
-  P.g = make_geometry(kv_cache, key_offsets, value_offsets, tiling);
+  P.g = attention_geometry(kv_cache, key_offsets, value_offsets, tiling);
   const PageGeometry& g = P.g;
   const int64_t H = g.num_heads, D = g.head_size, bs = g.block_size;
 

@@ -134,6 +134,7 @@ class BatchStats:
     peak_blocks: int = 0
     peak_request_blocks: int = 0  # most blocks one request held once past its prompt
     preemptions: int = 0
+    plan_s: float = 0.0  # worker time spent planning steps (slot maps, victims)
     score_s: float = 0.0  # worker time spent keeping token scores (H2O's attention mass)
 
     @property
@@ -154,6 +155,7 @@ class BatchStats:
             "tokens_per_s": self.tokens_per_s,
             "tokens_per_cpu_s": self.tokens_per_cpu_s,
             "mean_running": self.mean_running,
+            "plan_share": self.plan_s / self.wall_s if self.wall_s else 0.0,
             "score_share": self.score_s / self.wall_s if self.wall_s else 0.0,
         }
 
@@ -269,7 +271,7 @@ def run_batch(llm, prompts: Sequence[list[int]], gen_tokens: int, tag: str, prog
     params = sampling_params(gen_tokens)
     stats = BatchStats()
     preemptions: dict[str, int] = {}
-    score_before = score_seconds()
+    plan_before, score_before = worker_seconds()
     start, start_cpu = time.perf_counter(), time.process_time()
     for index, prompt in enumerate(prompts):
         engine.add_request(f"{tag}-{index}", {"prompt_token_ids": list(prompt)}, params)
@@ -281,19 +283,20 @@ def run_batch(llm, prompts: Sequence[list[int]], gen_tokens: int, tag: str, prog
         progress.report(stats.output_tokens + tokens_in_flight(scheduler))
     stats.wall_s = time.perf_counter() - start
     stats.cpu_s = time.process_time() - start_cpu
-    stats.score_s = score_seconds() - score_before
+    plan_after, score_after = worker_seconds()
+    stats.plan_s, stats.score_s = plan_after - plan_before, score_after - score_before
     stats.preemptions = sum(preemptions.values())
     progress.offset += stats.output_tokens
     progress.report(0, force=True)
     return stats
 
 
-def score_seconds() -> float:
-    """Seconds the (in-process) worker has spent keeping scores so far."""
+def worker_seconds() -> tuple[float, float]:
+    """Seconds the (in-process) worker has spent planning steps and keeping scores so far."""
     from vllm_kvprune.worker import runtime
 
     state = runtime.worker_state()
-    return state.score_seconds if state is not None else 0.0
+    return (state.plan_seconds, state.score_seconds) if state is not None else (0.0, 0.0)
 
 
 def warm_up(llm, prompt: list[int]) -> None:
@@ -550,6 +553,7 @@ TABLE_COLUMNS = (
     ("peak blocks", "peak_blocks", "{}"),
     ("blocks/req", "peak_request_blocks", "{}"),
     ("preemptions", "preemptions", "{}"),
+    ("plan share", "plan_share", "{:.1%}"),
     ("score share", "score_share", "{:.1%}"),
     ("wall s", "wall_s", "{:.1f}"),
 )

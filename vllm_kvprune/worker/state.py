@@ -12,6 +12,7 @@ blocks are still ours); a streaming prefill applies the rule at each `prefill_ch
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -181,7 +182,9 @@ class WorkerKVState:
         self.policy = get_policy(engine_config.name) if engine_config.active else None
         # Scored policies, once the cache exists: LayerScores (block) or HeadMass (head).
         self.scores: LayerScores | HeadMass | None = None
-        # Wall time spent keeping scores (H2O's attention mass), for the benchmarks.
+        # Wall time spent planning steps and keeping scores (H2O's attention mass), for the
+        # benchmarks.
+        self.plan_seconds = 0.0
         self.score_seconds = 0.0
 
     def bind_cache(self, layer_names: list[str], num_blocks: int, block_size: int, total_kv_heads: int,
@@ -218,6 +221,7 @@ class WorkerKVState:
         num_reqs = len(query_start_loc) - 1
         if len(rows.req_ids) < num_reqs:
             return None  # a dummy (profiling) batch: no real requests behind the rows
+        started = time.perf_counter()
         builder = _PlanBuilder(block_size, self.scores)
         for row in range(num_reqs):
             state = self._state_for(rows.req_ids[row], int(rows.num_computed[row]), rows.extra_args[row])
@@ -229,7 +233,9 @@ class WorkerKVState:
                 num_prompt=int(rows.num_prompt[row]),
                 block_row=rows.block_rows[row],
             )
-        return builder.finish()
+        plan = builder.finish()
+        self.plan_seconds += time.perf_counter() - started
+        return plan
 
 
 class _PlanBuilder:
