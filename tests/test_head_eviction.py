@@ -30,17 +30,45 @@ def h2o_config(budget: int, sinks: int, recent: int, interval: int = 1) -> KVPol
 
 # ---- the policy's choices ---------------------------------------------------------------------
 
-def test_evicts_lowest_mass_outside_sinks_and_recent_oldest_first_on_ties():
+def evicted(mass: list[float], logical: list[int], count: int) -> list[int]:
+    """One layer and head; slot i holds position logical[i] with mass mass[i]."""
     config = h2o_config(budget=8, sinks=2, recent=2)
-    logical = torch.tensor([[0, 1, 9, 3, 4, 5, 6, 7, 8]])  # slot 2 holds the newest but one
-    mass = torch.tensor([[0.0, 0.0, 0.0, 5.0, 1.0, 1.0, 2.0, 0.5, 3.0]])
+    table = torch.tensor(mass)[None, None]
+    victims = H2OPolicy().evicted(table, torch.arange(len(mass)), torch.tensor(logical)[None, None], count, 10, config)
+    return victims[0, 0].tolist()
+
+
+def test_evicts_lowest_mass_outside_sinks_and_recent_oldest_first_on_ties():
+    logical = [0, 1, 9, 3, 4, 5, 6, 7, 8]  # slot 2 holds the newest but one
+    mass = [0.0, 0.0, 0.0, 5.0, 1.0, 1.0, 2.0, 0.5, 3.0]
     # Next position 10: recent = 8, 9 (slots 8, 2); sinks = slots 0, 1.
-    assert H2OPolicy().evicted(mass, logical, 1, 10, config).tolist() == [[7]]
+    assert evicted(mass, logical, 1) == [7]
     # Slots 4 and 5 tie at 1.0: position 4 (older) goes before position 5.
-    assert H2OPolicy().evicted(mass, logical, 2, 10, config).tolist() == [[7, 4]]
-    tied = torch.tensor([[0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]])
-    reordered = torch.tensor([[0, 1, 9, 6, 5, 4, 3, 7, 8]])
-    assert sorted(H2OPolicy().evicted(tied, reordered, 2, 10, config)[0].tolist()) == [5, 6]  # positions 3, 4
+    assert evicted(mass, logical, 2) == [7, 4]
+    tied = [0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    assert sorted(evicted(tied, [0, 1, 9, 6, 5, 4, 3, 7, 8], 2)) == [5, 6]  # positions 3, 4
+
+
+@pytest.mark.skipif(not kernels.HAS_EXTENSION, reason="C++ extension not built")
+@pytest.mark.parametrize("count", [1, 3, 8])
+def test_victim_kernel_equals_torch_reference(count):
+    """Random masses with many exact ties, slots scattered in a larger table, positions
+    permuted per head (as after in-place replacements), a strided positions view."""
+    from vllm_kvprune.kernels import reference
+
+    gen = torch.Generator().manual_seed(count)
+    layers, heads, n, table_slots = 5, 3, 200, 1024
+    mass = (torch.randint(0, 20, (layers, heads, table_slots), generator=gen) / 4.0).float()
+    slots = torch.randperm(table_slots, generator=gen)[:n]
+    held = torch.stack([torch.randperm(n + 50, generator=gen)[:n] for _ in range(layers * heads)])
+    buffer = torch.full((layers, heads, n + 16), -7, dtype=torch.int64)
+    buffer[:, :, :n] = held.view(layers, heads, n)
+    logical = buffer[:, :, :n]  # strided, like HeadSlotMap.logical
+    args = (count, 240, 4, 30)  # next position, sinks, recent
+    expected = reference.lowest_mass_slots(mass, slots, logical, *args)
+    assert torch.equal(kernels.lowest_mass_slots(mass, slots, logical, *args), expected)
+    chosen = logical.gather(-1, expected)
+    assert ((chosen >= 4) & (chosen < 210)).all(), "a sink or a recent token was chosen"
 
 
 def test_replace_one_victim_per_head_writes_in_place():

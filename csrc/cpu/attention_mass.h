@@ -28,4 +28,12 @@ void attention_mass(const at::Tensor& query, const at::Tensor& kv_cache,
                     const std::optional<at::Tensor>& output, const at::Tensor& key_offsets,
                     const at::Tensor& value_offsets, c10::IntArrayRef tiling);
 
+// H2O's victims: for every layer l and KV head h, the `count` indices i into `slots` [n]
+// (a request's global slots) whose tokens, at positions logical[l, h, i], are evicted first:
+// lowest mass[l, h, slots[i]], ties to the lower position, never a position below `sinks`
+// or at/after next_position - recent. Returns [layers, heads, count] int64, best first.
+at::Tensor lowest_mass_slots(const at::Tensor& mass, const at::Tensor& slots,
+                             const at::Tensor& logical, int64_t count, int64_t next_position,
+                             int64_t sinks, int64_t recent);
+
 }  // namespace kvprune

@@ -21,6 +21,9 @@ TORCH_LIBRARY(kvprune, m) {
       "attention_mass(Tensor query, Tensor kv_cache, Tensor block_table, Tensor query_rows, "
       "Tensor key_counts, float scale, Tensor(a!) mass, Tensor(b!)? output, "
       "Tensor key_offsets, Tensor value_offsets, int[] tiling) -> ()");
+  m.def(
+      "lowest_mass_slots(Tensor mass, Tensor slots, Tensor logical, int count, int next_position, "
+      "int sinks, int recent) -> Tensor");
   m.def("build_isa() -> str", &kvprune::build_isa);
 }
 
@@ -29,6 +32,7 @@ TORCH_LIBRARY_IMPL(kvprune, CPU, m) {
   m.impl("copy_slots", &kvprune::copy_slots);
   m.impl("read_slots", &kvprune::read_slots);
   m.impl("attention_mass", &kvprune::attention_mass);
+  m.impl("lowest_mass_slots", &kvprune::lowest_mass_slots);
 }
 
 static struct PyModuleDef kvprune_module = {PyModuleDef_HEAD_INIT, "_C",

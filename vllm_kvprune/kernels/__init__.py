@@ -34,6 +34,7 @@ __all__ = [
     "default_isa",
     "extension_isa",
     "layout_for_cache",
+    "lowest_mass_slots",
     "probe_layout",
     "read_slots",
     "vec_layout",
@@ -170,6 +171,22 @@ def attention_mass(
         layout.value_offsets,
         layout.tiling_list,
     )
+
+
+def lowest_mass_slots(mass: torch.Tensor, slots: torch.Tensor, logical: torch.Tensor, count: int,
+                      next_position: int, sinks: int, recent: int) -> torch.Tensor:
+    """H2O's victims: for each layer and KV head, the ``count`` indices into ``slots`` (a
+    request's global slots ``[n]``) of the tokens to evict, ``[layers, heads, count]``, best
+    first. ``mass`` is the table ``[layers, heads, num_slots]`` (float32), ``logical``
+    ``[layers, heads, n]`` the position each slot holds per head. Lowest mass goes first,
+    ties to the older position; positions below ``sinks`` and from ``next_position - recent``
+    on are never chosen."""
+    slots = _as_slots(slots)
+    if not HAS_EXTENSION:
+        return reference.lowest_mass_slots(mass, slots, logical, count, next_position, sinks, recent)
+    if logical.dtype != torch.int64 or logical.stride(-1) != 1:
+        logical = logical.to(torch.int64).contiguous()
+    return torch.ops.kvprune.lowest_mass_slots(mass, slots, logical, count, next_position, sinks, recent)
 
 
 def _as_slots(slots: torch.Tensor) -> torch.Tensor:

@@ -110,6 +110,19 @@ def attention_mass(
             output[i] = torch.einsum("qn,nqd->qd", probs, value).to(output.dtype)
 
 
+def lowest_mass_slots(mass: torch.Tensor, slots: torch.Tensor, logical: torch.Tensor, count: int,
+                      next_position: int, sinks: int, recent: int) -> torch.Tensor:
+    """H2O's victims per layer and KV head, ``[layers, heads, count]`` indices into ``slots``:
+    lowest ``mass[l, h, slots[i]]`` first, ties to the older position, never a sink
+    (``logical < sinks``) nor a recent token (``logical >= next_position - recent``)."""
+    scores = mass[:, :, slots].masked_fill((logical < sinks) | (logical >= next_position - recent), float("inf"))
+    by_age = torch.argsort(logical, dim=-1, stable=True)
+    ranked = torch.sort(scores.gather(-1, by_age), dim=-1, stable=True)
+    if not bool(torch.isfinite(ranked.values[..., count - 1]).all()):
+        raise ValueError(f"fewer than {count} evictable tokens in some head")
+    return by_age.gather(-1, ranked.indices[..., :count])
+
+
 def _pages(kv_cache: torch.Tensor, layout: CacheLayout) -> torch.Tensor:
     """The cache as one row per (block, head) page; a view, so writes land in the cache."""
     if kv_cache.dim() != 4 or not kv_cache.is_contiguous():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm_kvprune import kernels
 from vllm_kvprune.config import KVPolicyConfig
 from vllm_kvprune.policies.base import Policy
 
@@ -20,27 +21,22 @@ class H2OPolicy(Policy):
     name = "h2o"
     granularity = "head"
 
-    def evicted(self, mass: torch.Tensor, logical: torch.Tensor, count: int, next_position: int,
-                config: KVPolicyConfig) -> torch.Tensor:
-        """Slots `[..., count]` to evict from caches whose slots hold positions `logical`
-        `[..., n]` with masses `mass` `[..., n]`; `next_position` is the first position
-        not yet cached, so the recent window is `next_position - recent` onwards."""
-        protected = (logical < config.sinks) | (logical >= next_position - config.recent_size)
-        scores = mass.masked_fill(protected, float("inf"))
-        lowest = torch.topk(scores, count, dim=-1, largest=False)
-        if bool(((scores <= lowest.values[..., -1:]).sum(dim=-1) == count).all()):
-            return lowest.indices  # the count lowest are strictly below the rest: no tie
-        # Ties at the boundary: order by (mass, position), oldest first among equals.
-        by_age = torch.argsort(logical, dim=-1, stable=True)
-        ranked = torch.sort(scores.gather(-1, by_age), dim=-1, stable=True).indices[..., :count]
-        return by_age.gather(-1, ranked)
+    def evicted(self, mass: torch.Tensor, slots: torch.Tensor, logical: torch.Tensor, count: int,
+                next_position: int, config: KVPolicyConfig) -> torch.Tensor:
+        """Indices into `slots` `[n]` (a request's global slots), `[layers, heads, count]`, of
+        the tokens each layer's heads evict: lowest `mass` (the table `[layers, heads,
+        num_slots]`), outside the sinks and the recent window before `next_position`; the
+        slots hold positions `logical` `[layers, heads, n]`."""
+        return kernels.lowest_mass_slots(mass, slots, logical, count, next_position, config.sinks,
+                                         config.recent_size)
 
-    def prefill_survivors(self, mass: torch.Tensor, keep: int, config: KVPolicyConfig) -> torch.Tensor:
-        """Slots (= prompt positions) each head keeps of a prompt `mass` `[heads, P]`,
-        ascending `[heads, keep]`."""
-        num_heads, num_tokens = mass.shape
-        positions = torch.arange(num_tokens).expand(num_heads, -1)
-        evicted = self.evicted(mass, positions, num_tokens - keep, num_tokens, config)
+    def prefill_survivors(self, mass: torch.Tensor, slots: torch.Tensor, keep: int,
+                          config: KVPolicyConfig) -> torch.Tensor:
+        """Indices into a prompt's `slots` `[P]` (= prompt positions) that each head of one
+        layer keeps, ascending `[heads, keep]`; `mass` is that layer's table `[heads, num_slots]`."""
+        num_heads, num_tokens = mass.shape[0], len(slots)
+        positions = torch.arange(num_tokens).expand(1, num_heads, -1)
+        evicted = self.evicted(mass[None], slots, positions, num_tokens - keep, num_tokens, config)[0]
         kept = torch.ones(num_heads, num_tokens, dtype=torch.bool)
         kept.scatter_(1, evicted, False)
-        return positions[kept].view(num_heads, keep)
+        return torch.arange(num_tokens).expand(num_heads, -1)[kept].view(num_heads, keep)

@@ -209,7 +209,7 @@ class KVPruneImpl(CPUAttentionBackendImpl):
         sources, destinations = [], []
         for compaction in plan.prefill_compactions:
             state, slots, keep = compaction.state, compaction.prompt_slots, compaction.keep
-            kept = state.policy.prefill_survivors(mass.by_slot[layer_index][:, slots], keep, state.config)
+            kept = state.policy.prefill_survivors(mass.by_slot[layer_index], slots, keep, state.config)
             state.heads.set_layer_survivors(layer_index, kept.numpy())
             source = slots[kept].T  # [keep, heads]
             destination = slots[:keep, None].expand_as(source).clone()

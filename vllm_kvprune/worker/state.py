@@ -352,7 +352,7 @@ class _PlanBuilder:
             kept_before_new = heads.num_valid
             if heads.num_valid + 1 > config.max_cached:
                 slots = torch.from_numpy(self._global(block_row, np.arange(heads.num_valid)))
-                victims = state.policy.evicted(self.scores.by_slot[:, :, slots], torch.from_numpy(heads.logical),
+                victims = state.policy.evicted(self.scores.by_slot, slots, torch.from_numpy(heads.logical),
                                                heads.num_valid + 1 - config.budget, num_computed, config)
                 new_slots, sources, destinations = heads.replace(victims.numpy(), num_computed)
                 local = new_slots[:, None, :]
