@@ -99,16 +99,19 @@ class Config:
         return f"B{self.batch} H{self.kv_heads} D{self.head_dim} E{self.evict}"
 
 
+def contiguous_kv(config: Config, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """Random K, V `[batch, heads, cache_tokens, head_dim]` and the step's new K, V."""
+    shape = (config.batch, config.kv_heads, config.cache_tokens, config.head_dim)
+    new_shape = (config.batch, config.kv_heads, config.new_tokens, config.head_dim)
+    return tuple(torch.randn(size, generator=gen).to(config.torch_dtype)
+                 for size in (shape, shape, new_shape, new_shape))
+
+
 class ShiftAppendCache:
     """One layer's contiguous K/V, updated the Hugging Face StreamingLLM way."""
 
     def __init__(self, config: Config, gen: torch.Generator) -> None:
-        shape = (config.batch, config.kv_heads, config.cache_tokens, config.head_dim)
-        new_shape = (config.batch, config.kv_heads, config.new_tokens, config.head_dim)
-        self.key = torch.randn(shape, generator=gen).to(config.torch_dtype)
-        self.value = torch.randn(shape, generator=gen).to(config.torch_dtype)
-        self.new_key = torch.randn(new_shape, generator=gen).to(config.torch_dtype)
-        self.new_value = torch.randn(new_shape, generator=gen).to(config.torch_dtype)
+        self.key, self.value, self.new_key, self.new_value = contiguous_kv(config, gen)
         self.drop_start, self.evict = config.drop_start, config.evict
         out_shape = (config.batch, config.kv_heads, config.cache_tokens - config.evict + config.new_tokens,
                      config.head_dim)
@@ -134,18 +137,13 @@ class GatherAppendCache:
     gather the kept tokens, then append the new ones."""
 
     def __init__(self, config: Config, gen: torch.Generator, victim_positions: list[torch.Tensor]) -> None:
-        shape = (config.batch, config.kv_heads, config.cache_tokens, config.head_dim)
-        new_shape = (config.batch, config.kv_heads, config.new_tokens, config.head_dim)
-        self.key = torch.randn(shape, generator=gen).to(config.torch_dtype)
-        self.value = torch.randn(shape, generator=gen).to(config.torch_dtype)
-        self.new_key = torch.randn(new_shape, generator=gen).to(config.torch_dtype)
-        self.new_value = torch.randn(new_shape, generator=gen).to(config.torch_dtype)
+        self.key, self.value, self.new_key, self.new_value = contiguous_kv(config, gen)
         # [batch, heads, kept, head_dim] views of [batch, heads, kept] (expanded, as H2O code does).
         self.keep_schedule = [keep_index(victims, config.cache_tokens).unsqueeze(-1).expand(-1, -1, -1, config.head_dim)
                               for victims in victim_positions]
         self.kept = config.cache_tokens - config.evict
-        self.key_out = torch.empty(shape, dtype=config.torch_dtype)
-        self.value_out = torch.empty(shape, dtype=config.torch_dtype)
+        self.key_out = torch.empty(self.key.shape, dtype=config.torch_dtype)
+        self.value_out = torch.empty(self.key.shape, dtype=config.torch_dtype)
         # One step counter per variant, so each cycles through every victim set.
         self._step_index = {"new": itertools.count(), "prealloc": itertools.count()}
 
