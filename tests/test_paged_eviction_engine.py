@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from conftest import engine, runner_of, scheduler_of
-from test_streaming_engine import (all_blocks_free, assert_same_as, greedy, prompts, run_counting_preemptions,
-                                   run_steps)
+from test_streaming_engine import (all_blocks_free, assert_caps_after_prompt, assert_same_as, greedy, prompts,
+                                   run_counting_preemptions, run_steps)
 
 SINKS = 4
 # Prompts shorter and longer than the budget; generations of at least 4x the budget.
@@ -43,12 +43,9 @@ def test_parity_with_reference(tiny_model, reference_model, block_size, budget, 
 def check_invariants(llm, seen_layer_orders: list[bool]) -> None:
     """Cap after the prompt (scheduler); in every layer, no slot held twice and each request's
     tokens inside its own blocks (worker)."""
+    assert_caps_after_prompt(llm)
     scheduler, runner = scheduler_of(llm), runner_of(llm)
     block_size = scheduler.cache_config.block_size
-    for request in scheduler.running:
-        policy = scheduler.request_policies[request.request_id]
-        if request.num_computed_tokens > request.num_prompt_tokens:
-            assert scheduler.held_blocks(request.request_id) <= policy.cap_blocks(block_size)
     owners: list[dict[int, str]] = []
     for request_id, state in runner.kv_state.requests.items():
         if request_id not in runner.requests:

@@ -117,13 +117,21 @@ def run_counting_preemptions(llm, prompt_ids, params, check) -> tuple[dict[str, 
     return run_steps(llm, prompt_ids, params, on_step=watch), most
 
 
-def check_invariants(llm) -> None:
-    """Cap after prefill (scheduler), no slot held twice (worker)."""
-    scheduler, runner = scheduler_of(llm), runner_of(llm)
+def assert_caps_after_prompt(llm) -> None:
+    """The scheduler's half of the invariants: a request past its prompt holds at most its
+    policy's cap of blocks."""
+    scheduler = scheduler_of(llm)
+    block_size = scheduler.cache_config.block_size
     for request in scheduler.running:
         policy = scheduler.request_policies[request.request_id]
         if request.num_computed_tokens > request.num_prompt_tokens:
-            assert scheduler.held_blocks(request.request_id) <= policy.cap_blocks(BLOCK_SIZE)
+            assert scheduler.held_blocks(request.request_id) <= policy.cap_blocks(block_size)
+
+
+def check_invariants(llm) -> None:
+    """Cap after prefill (scheduler), no slot held twice (worker)."""
+    assert_caps_after_prompt(llm)
+    runner = runner_of(llm)
     owners: dict[int, str] = {}
     for request_id, state in runner.kv_state.requests.items():
         if request_id not in runner.requests:

@@ -159,6 +159,11 @@ class KVPolicyConfig:
         """Most tokens a request caches before lazy pruning evicts (budget + R - 1)."""
         return self.budget + self.prune_interval - 1
 
+    def evicts_before(self, num_cached: int, num_incoming: int) -> bool:
+        """The step rule: a step of `num_incoming` tokens on `num_cached` first evicts down
+        to `budget - 1` iff the cache would pass `budget + R - 1` and holds more than that."""
+        return num_cached + num_incoming > self.max_cached and num_cached > self.budget - 1
+
     @property
     def recent_size(self) -> int:
         """Newest tokens every head keeps under `h2o` (`recent`, else half of budget - sinks)."""

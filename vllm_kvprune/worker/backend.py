@@ -37,7 +37,6 @@ from vllm_kvprune.worker.state import StepPlan
 FUSED_DECODE_MASS = os.environ.get("VLLM_KVPRUNE_FUSED_MASS", "1") == "1"
 
 
-
 class KVPruneMetadataBuilder(CPUAttentionMetadataBuilder):
     """Builds CPU attention metadata over each request's physical slots."""
 

@@ -286,10 +286,9 @@ class _PlanBuilder:
                 post = evict_for(state, 1)
         else:
             assert num_new == 1, "a bounded request runs one token per step past its prompt"
-            incoming = slots.num_valid + 1
-            if incoming > config.max_cached:
+            if config.evicts_before(slots.num_valid, 1):
                 kept_before_new = config.budget - 1
-                victims = state.policy.victims(slots.logical, incoming - config.budget, config)
+                victims = state.policy.victims(slots.logical, slots.num_valid + 1 - config.budget, config)
                 new_slot, pre = slots.replace(victims, num_computed)
                 new_slots = np.array([new_slot], np.int64)
             else:
@@ -334,40 +333,40 @@ class _PlanBuilder:
         full, every head evicts its own lowest-mass tokens and the new token takes one of
         their slots in that head (EQUIP, per head)."""
         config, heads = state.config, state.heads
-        row = len(self.seq_lens)
         num_layers, num_heads = heads.logical.shape[:2]
+        kept_before_new = heads.num_valid
+        if num_computed >= num_prompt:
+            assert num_new == 1, "a bounded request runs one token per step past its prompt"
+        if num_computed >= num_prompt and config.evicts_before(heads.num_valid, 1):
+            local = self._replace_per_head(state, num_computed, block_row)
+            kept_before_new = config.budget - 1
+        else:
+            positions = np.arange(num_computed, num_computed + num_new)
+            local = np.broadcast_to(heads.append(positions)[None, :, None], (num_layers, num_new, num_heads))
+        self._add_mass_queries(first_token, num_new, len(self.seq_lens), kept_before_new)
         if num_computed < num_prompt:
-            kept_before_new = heads.num_valid
-            local = np.broadcast_to(heads.append(np.arange(num_computed, num_computed + num_new)),
-                                    (num_layers, num_heads, num_new)).transpose(0, 2, 1)
-            self._add_mass_queries(first_token, num_new, row, kept_before_new)
             self.decode_only = False
-            ends = num_computed + num_new == num_prompt
-            if ends and heads.num_valid + 1 > config.max_cached and heads.num_valid > config.budget - 1:
+            if num_computed + num_new == num_prompt and config.evicts_before(heads.num_valid, 1):
                 self.prefill_compactions.append(PrefillCompaction(
                     state, torch.from_numpy(self._global(block_row, np.arange(heads.num_valid))), config.budget - 1))
                 heads.truncate(config.budget - 1)
-        else:
-            assert num_new == 1, "a bounded request runs one token per step past its prompt"
-            kept_before_new = heads.num_valid
-            if heads.num_valid + 1 > config.max_cached:
-                slots = torch.from_numpy(self._global(block_row, np.arange(heads.num_valid)))
-                victims = state.policy.evicted(self.scores.by_slot, slots, torch.from_numpy(heads.logical),
-                                               heads.num_valid + 1 - config.budget, num_computed, config)
-                new_slots, sources, destinations = heads.replace(victims.numpy(), num_computed)
-                local = new_slots[:, None, :]
-                kept_before_new = config.budget - 1
-                if sources.shape[1]:
-                    self.head_moves.append((self._global_or_skip(block_row, sources),
-                                            self._global_or_skip(block_row, destinations)))
-            else:
-                local = np.broadcast_to(heads.append(np.array([num_computed])), (num_layers, num_heads, 1))
-                local = local.transpose(0, 2, 1)
-            self._add_mass_queries(first_token, 1, row, kept_before_new)
         self.head_slots.append(self._global(block_row, local))
         self.seq_lens.append(kept_before_new + num_new)
         if DEBUG and not (heads.logical == SKIP).any():  # a pruned prompt is checked next step
             heads.check()
+
+    def _replace_per_head(self, state: RequestKVState, num_computed: int, block_row: np.ndarray) -> np.ndarray:
+        """Every head evicts its lowest-mass tokens; returns the new token's local slot per
+        layer and head `[layers, 1, heads]` and records the lazy-pruning moves."""
+        config, heads = state.config, state.heads
+        slots = torch.from_numpy(self._global(block_row, np.arange(heads.num_valid)))
+        victims = state.policy.evicted(self.scores.by_slot, slots, torch.from_numpy(heads.logical),
+                                       heads.num_valid + 1 - config.budget, num_computed, config)
+        new_slots, sources, destinations = heads.replace(victims.numpy(), num_computed)
+        if sources.shape[1]:
+            self.head_moves.append((self._global_or_skip(block_row, sources),
+                                    self._global_or_skip(block_row, destinations)))
+        return new_slots[:, None, :]
 
     def _add_mass_queries(self, first_token: int, num_new: int, row: int, kept_before_new: int) -> None:
         offsets = np.arange(num_new, dtype=np.int64)
@@ -440,10 +439,9 @@ class _PlanBuilder:
 def evict_for(state: RequestKVState, num_incoming: int) -> Moves:
     """Apply the step rule before `num_incoming` tokens arrive; compacts the survivors."""
     config, slots = state.config, state.slots
-    keep = config.budget - 1
-    if slots.num_valid + num_incoming <= config.max_cached or slots.num_valid <= keep:
+    if not config.evicts_before(slots.num_valid, num_incoming):
         return NO_MOVES
-    return slots.compact(state.policy.survivors(slots.logical, keep, config))
+    return slots.compact(state.policy.survivors(slots.logical, config.budget - 1, config))
 
 
 def _concat_moves(moves: list[tuple[np.ndarray, np.ndarray]]) -> tuple[torch.Tensor, torch.Tensor] | None:
