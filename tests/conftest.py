@@ -95,3 +95,23 @@ def scheduler_of(llm):
 
 def runner_of(llm):
     return llm.llm_engine.model_executor.driver_worker.worker.model_runner
+
+
+@pytest.fixture(scope="session")
+def kvpress_venv():
+    """Builds (or finds) kvpress's side venv with scripts/setup_kvpress.sh, once per session."""
+    import subprocess
+    import time
+
+    from vllm_kvprune.bench import kvpress_runner
+
+    env = dict(os.environ)
+    env.setdefault("VLLM_KVPRUNE_KVPRESS_BASE_PYTHON", getattr(sys, "_base_executable", None) or "python3")
+    started = time.perf_counter()
+    done = subprocess.run(["bash", str(kvpress_runner.SETUP_SCRIPT)], env=env, capture_output=True, text=True,
+                          timeout=1800)
+    if done.returncode != 0:
+        pytest.fail(f"scripts/setup_kvpress.sh failed (exit {done.returncode}):\n"
+                    f"{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+    print(f"kvpress venv ready in {time.perf_counter() - started:.1f} s: {done.stdout.strip().splitlines()[-1]}")
+    return kvpress_runner.kvpress_python()

@@ -20,7 +20,6 @@ positions, fp32 on both sides: the greedy continuations must be the same tokens.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 
@@ -38,21 +37,6 @@ NEW_TOKENS = 24
 INTERVAL = 32  # >= NEW_TOKENS: our engine never evicts during decoding, like kvpress
 PROMPTS = ((0, 333), (1200, 470), (2600, 601))  # (offset, length) windows of essay tokens
 KVPRESS_TIMEOUT = 600.0
-
-
-@pytest.fixture(scope="session")
-def kvpress_venv():
-    """Builds (or finds) kvpress's side venv with scripts/setup_kvpress.sh, once per session."""
-    env = dict(os.environ)
-    env.setdefault("VLLM_KVPRUNE_KVPRESS_BASE_PYTHON", getattr(sys, "_base_executable", None) or "python3")
-    started = time.perf_counter()
-    done = subprocess.run(["bash", str(kvpress_runner.SETUP_SCRIPT)], env=env, capture_output=True, text=True,
-                          timeout=1800)
-    if done.returncode != 0:
-        pytest.fail(f"scripts/setup_kvpress.sh failed (exit {done.returncode}):\n"
-                    f"{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-    print(f"kvpress venv ready in {time.perf_counter() - started:.1f} s: {done.stdout.strip().splitlines()[-1]}")
-    return kvpress_runner.kvpress_python()
 
 
 def essay_prompts(model: str) -> list[list[int]]:

@@ -11,7 +11,8 @@ from typing import Sequence
 SUBCOMMAND_MODULES: tuple[str, ...] = (
     "kv_update",
     "throughput",
-    "needle",
+    "accuracy",
+    "results_page",
 )
 
 

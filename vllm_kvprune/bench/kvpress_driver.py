@@ -17,7 +17,10 @@ The job (JSON)::
      "attn_implementation": "sdpa",           # optional; ObservedAttentionPress forces eager
      "threads": 1,                            # optional torch.set_num_threads (on a busy
                                               # 2-core box 1 thread is far faster than 2)
-     "stop_at_eos": false}                    # optional; default: exactly max_new_tokens tokens
+     "stop_at_eos": false,                    # optional; default: exactly max_new_tokens tokens
+     "compression_ratios": [0.9, null, ...]}  # optional, one per prompt: the press's
+                                              # compression_ratio for that prompt (null: the
+                                              # press's own)
 
 Presses: ``none`` (no compression), ``StreamingLLMPress`` (``compression_ratio``, ``n_sink``),
 ``ObservedAttentionPress`` (H2O-like, ``compression_ratio``; eager attention),
@@ -184,6 +187,14 @@ def validate(job: dict) -> None:
     if job.get("dtype", "float32") not in DTYPES:
         raise ValueError(f"'dtype' must be one of {DTYPES}, got {job.get('dtype')!r}")
     press_class_name(job.get("press", {"name": "none"}).get("name", "none"))
+    ratios = job.get("compression_ratios")
+    if ratios is not None:
+        if not isinstance(ratios, list) or len(ratios) != len(prompts):
+            raise ValueError("'compression_ratios' must be a list with one entry per prompt")
+        if any(r is not None and not 0 <= r < 1 for r in ratios):
+            raise ValueError("every compression ratio must be in [0, 1) or null")
+        if any(r is not None for r in ratios) and press_class_name(job.get("press", {}).get("name", "none")) is None:
+            raise ValueError("'compression_ratios' needs a press")
 
 
 def run(job: dict) -> dict:
@@ -208,7 +219,13 @@ def run(job: dict) -> dict:
     if job.get("stop_at_eos"):
         eos = model.generation_config.eos_token_id
         stop_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    results = [generate(model, press, prompt, job["max_new_tokens"], stop_ids) for prompt in job["prompts"]]
+    ratios = job.get("compression_ratios") or [None] * len(job["prompts"])
+    configured_ratio = getattr(press, "compression_ratio", None)
+    results = []
+    for prompt, ratio in zip(job["prompts"], ratios):
+        if press is not None:
+            press.compression_ratio = configured_ratio if ratio is None else ratio
+        results.append(generate(model, press if ratio != 0 else None, prompt, job["max_new_tokens"], stop_ids))
     return {
         "versions": versions(),
         "press": {"name": class_name, **{k: v for k, v in spec.items() if k != "name"}},

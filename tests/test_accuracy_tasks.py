@@ -1,0 +1,129 @@
+"""The accuracy suite's parts that need no engine: task builders, scores, kvpress's matched
+ratio, the tables, and teacher forcing as vLLM's sampler drives it."""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+
+import pytest
+import torch
+
+from vllm_kvprune.bench.accuracy import report
+from vllm_kvprune.bench.accuracy.arithmetic import Arithmetic
+from vllm_kvprune.bench.accuracy.kv_retrieval import KVRetrieval
+from vllm_kvprune.bench.accuracy.kvpress_side import compression_ratio
+from vllm_kvprune.bench.accuracy.needle import NEEDLE, Needle
+from vllm_kvprune.bench.accuracy.perplexity import Perplexity
+from vllm_kvprune.bench.accuracy.task import Answer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from vllm_kvprune import assets
+
+    return AutoTokenizer.from_pretrained(str(assets.real_model_dir()))
+
+
+def build(task, tokenizer, seed):
+    return task.build(tokenizer, random.Random(seed))
+
+
+@pytest.mark.parametrize("make", [lambda: Perplexity(2, 256), lambda: Needle([1024], [0, 50, 100]),
+                                  lambda: KVRetrieval(4, 16), lambda: Arithmetic(4, 4)])
+def test_cases_follow_the_seed(tokenizer, make):
+    first, again, other = build(make(), tokenizer, 0), build(make(), tokenizer, 0), build(make(), tokenizer, 1)
+    assert first == again
+    assert [c.prompt_ids for c in first] != [c.prompt_ids for c in other]
+
+
+def test_needle_sits_at_its_depth_and_context_fits(tokenizer):
+    cases = build(Needle([1024, 2048], [0, 50, 100]), tokenizer, 0)
+    for case in cases:
+        text = tokenizer.decode(case.prompt_ids)
+        needle = NEEDLE.format(number=case.facts["number"])
+        assert text.count(needle) == 1
+        assert case.facts["context"] - 100 < len(case.prompt_ids) <= case.facts["context"]
+        at = text.index(needle) / len(text)
+        assert abs(at - 0.9 * case.facts["depth"] / 100) < 0.12, (case.case_id, at)  # the question follows
+
+
+def test_kv_retrieval_asks_a_key_with_one_value(tokenizer):
+    for case in build(KVRetrieval(6, 32), tokenizer, 0):
+        text = tokenizer.decode(case.prompt_ids)
+        asked = text.rsplit("\n", 1)[1].removesuffix(":")
+        lines = dict(line.split(": ") for line in text.split("\n") if re.fullmatch(r"\w+-\d+: \d+", line))
+        assert len(lines) == 32 and lines[asked] == str(case.facts["value"])
+
+
+def test_arithmetic_examples_are_right_and_scored(tokenizer):
+    for case in build(Arithmetic(5, 6), tokenizer, 0):
+        text = tokenizer.decode(case.prompt_ids)
+        for a, op, b, c in re.findall(r"(\d+) ([+-]) (\d+) = (\d+)\. The answer is", text):
+            assert (int(a) + int(b) if op == "+" else int(a) - int(b)) == int(c)
+        task, result = Arithmetic(), case.facts["result"]
+        assert task.score(case, Answer([], f" x = {result}. The answer is {result}.\n\nQuestion: 1"))["hit"]
+        assert not task.score(case, Answer([], f" The answer is {result + 1}.\n\nQuestion: The answer is {result}"))["hit"]
+
+
+def test_perplexity_scores_forced_tokens_only(tokenizer):
+    task = Perplexity(1, 300)
+    (case,) = build(task, tokenizer, 0)
+    assert case.prompt_ids + case.forced_ids == case.prompt_ids + case.forced_ids[:] and len(case.forced_ids) == 299
+    logprobs = [-1.0] * 299
+    scored = task.score(case, Answer(case.forced_ids, "", logprobs))
+    assert task.aggregate([scored]) == pytest.approx(math.e)
+    with pytest.raises(RuntimeError, match="forced"):
+        task.score(case, Answer(case.forced_ids[:-1] + [0], "", logprobs))
+
+
+@pytest.mark.parametrize("prompt_tokens", [130, 333, 601, 1000, 2047])
+def test_kvpress_keeps_exactly_budget_minus_one(prompt_tokens):
+    for kept in range(1, prompt_tokens, 7):
+        ratio = compression_ratio(prompt_tokens, kept)
+        assert int(prompt_tokens * (1 - ratio)) == kept  # StreamingLLMPress's rule
+        assert max(1, int(prompt_tokens * (1 - ratio))) == kept  # ScorerPress's compute_n_kept
+
+
+def test_side_by_side_compares_the_same_cases():
+    task = KVRetrieval()
+
+    def records(system, method, budget, hits):
+        return [{"task": task.name, "case_id": f"kv{i}", "system": system, "method": method, "budget": budget,
+                 "hit": hit} for i, hit in enumerate(hits)]
+
+    mine = (records(report.OURS, "none", None, [1, 1, 0, 1]) + records(report.OURS, "streaming", 128, [1, 0, 0, 0])
+            + records(report.KVPRESS, "none", None, [1, 1]) + records(report.KVPRESS, "StreamingLLMPress", 128, [0, 1]))
+    timings = [{"system": report.OURS, "method": "streaming", "task": task.name, "seconds": 4.0, "runs": 4},
+               {"system": report.KVPRESS, "method": "StreamingLLMPress", "task": task.name, "seconds": 3.0, "runs": 2}]
+    headers, rows = report.side_by_side(task, mine, {"streaming": "StreamingLLMPress"}, timings)
+    by_budget = {row[0]: dict(zip(headers, row)) for row in rows}
+    assert rows[1] == ["128", "streaming", "50%", "1.00", "StreamingLLMPress", "50%", "1.50", "2"]
+    assert by_budget[report.FULL_CACHE]["cases"] == "2" and rows[0][2] == "100%"
+    headers, rows = report.budget_table(task, mine, [128])
+    assert rows[0] == [report.OURS, "none", "75%", "-"] and rows[1] == [report.OURS, "streaming", "-", "25%"]
+
+
+def test_forced_tokens_follow_the_batch():
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
+
+    from vllm_kvprune.bench.accuracy.forced import FORCED_KEY, ForcedTokens
+
+    processor = ForcedTokens(None, torch.device("cpu"), False)
+    outputs_a, outputs_b, outputs_free = [], [7], []
+    forced_a = SamplingParams(max_tokens=3, extra_args={FORCED_KEY: [5, 6, 9]})
+    forced_b = SamplingParams(max_tokens=2, extra_args={FORCED_KEY: [1, 2]})
+    processor.update_state(BatchUpdate(3, [], [(0, forced_a, [0], outputs_a), (1, SamplingParams(), [0], outputs_free),
+                                               (2, forced_b, [0], outputs_b)], []))
+    logits = processor.apply(torch.randn(3, 10))
+    assert logits[0].argmax() == 5 and logits[2].argmax() == 2 and torch.isfinite(logits[1]).all()
+    outputs_a.append(5)
+    processor.update_state(BatchUpdate(3, [2], [], [(0, 2, MoveDirectionality.SWAP)]))
+    logits = processor.apply(torch.randn(3, 10))
+    assert logits[2].argmax() == 6 and torch.isfinite(logits[0]).all()  # nothing forced is left in row 0
+    with pytest.raises(ValueError, match="max_tokens"):
+        ForcedTokens.validate_params(SamplingParams(max_tokens=4, extra_args={FORCED_KEY: [1, 2]}))

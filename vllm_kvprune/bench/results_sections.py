@@ -1,0 +1,255 @@
+"""Markdown sections of the results page, rendered from the benchmark JSON files under `results/`.
+
+Each function returns Markdown text without a `##` heading of its own (the page adds those);
+per-file sections start with a `###` heading. Tables reuse the benchmark modules' own table
+code (`kv_update.table_rows`, `throughput.table_cells`), so the page shows exactly the numbers
+the benchmarks print. Files written by older versions of a benchmark lack some keys: those
+show as "-" instead of failing the page.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shlex
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+MISSING = "-"
+# A cell that reads as a number, a ratio or a share is right-aligned, as `print_table` does.
+NUMERIC_CELL = re.compile(r"^[-+]?\d[\d.,]*(x|%)?$")
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A GitHub Markdown table; cells are `str(cell)` as in `common.print_table`, None is "-"."""
+    def text(cell: object) -> str:
+        return MISSING if cell is None else str(cell).replace("|", r"\|").replace("\n", " ")
+
+    body = [[text(cell) for cell in row] for row in rows]
+    for row in body:
+        if len(row) != len(headers):
+            raise ValueError(f"row has {len(row)} cells, the header {len(headers)}: {row}")
+    numeric = [all(cell == MISSING or NUMERIC_CELL.match(cell) for cell in column)
+               and any(cell != MISSING for cell in column) for column in zip(*body)] or [False] * len(headers)
+    lines = ["| " + " | ".join(text(header) for header in headers) + " |",
+             "|" + "|".join("---:" if right else "---" for right in numeric) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in body]
+    return "\n".join(lines)
+
+
+def load(path: Path) -> dict[str, Any]:
+    """One results file as written by `common.write_json` (benchmark, machine, settings, results, ...)."""
+    return json.loads(Path(path).read_text())
+
+
+def lookup(document: Mapping[str, Any], *keys: str, default: Any = MISSING) -> Any:
+    """`document[k1][k2]...`, or `default` where a level is missing or None (older files)."""
+    value: Any = document
+    for key in keys:
+        if not isinstance(value, Mapping) or value.get(key) is None:
+            return default
+        value = value[key]
+    return value
+
+
+def shown_command(command: Sequence[str] | None) -> str:
+    """The recorded argv as a reader would type it: `python -m vllm_kvprune.bench ...`.
+
+    The interpreter's path is this machine's venv, and `sys.argv[0]` of `python -m pkg` is the
+    path of `pkg/__main__.py`; both say nothing to a reader."""
+    if not command:
+        return MISSING
+    args = list(command[1:])
+    script = args[0].replace("\\", "/") if args else ""
+    if script.endswith(".py") and "vllm_kvprune/" in script:
+        module = "vllm_kvprune/" + script.rsplit("vllm_kvprune/", 1)[1].removesuffix(".py")
+        args[0:1] = ["-m", module.removesuffix("/__main__").replace("/", ".")]
+    return "python " + shlex.join(args)
+
+
+def plot_link(json_path: Path, doc_dir: Path) -> str | None:
+    """The plot written next to a results file, as an image link relative to the page."""
+    png = Path(json_path).with_suffix(".png")
+    if not png.is_file():
+        return None
+    return f"![{png.stem}]({Path(os.path.relpath(png.resolve(), Path(doc_dir).resolve())).as_posix()})"
+
+
+def loads(load_average: Any) -> str:
+    return f"{load_average[0]:.1f}" if isinstance(load_average, list) and load_average else MISSING
+
+
+def file_section(heading: str, document: Mapping[str, Any], setup: str, table: str, notes: Sequence[str],
+                 path: Path, doc_dir: Path) -> str:
+    parts = [f"### {heading}", f"Command: `{shown_command(lookup(document, 'machine', 'command', default=None))}`",
+             setup, table]
+    if notes:
+        parts.append("\n".join(f"- {note}" for note in notes))
+    image = plot_link(path, doc_dir)
+    if image:
+        parts.append(image)
+    return "\n\n".join(parts)
+
+
+# ---- kv-update ---------------------------------------------------------------------------
+def kv_update_rows(document: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The result rows with what `kv_update.table_rows` indexes filled in for older files."""
+    from vllm_kvprune.bench import kv_update
+
+    # Files written before --policy existed timed StreamingLLM's update (Config's default).
+    policy = lookup(document, "settings", "policy", default="streaming")
+    rows = []
+    for original in document.get("results") or []:
+        row = copy.deepcopy(original)
+        row.setdefault("policy", policy)
+        row.setdefault("baseline", kv_update.BASELINE.get(row["policy"], "shift"))
+        for key in ("dtype", "batch", "kv_heads", "head_dim", "evict"):
+            row.setdefault(key, MISSING)
+        for key in ("speedup_cpp", "speedup_torch", "speedup_cpp_vs_prealloc"):
+            row.setdefault(key, None)
+        timings = row.get("timings_us") or {}
+        row["timings_us"] = {name: t for name, t in timings.items() if isinstance(t, Mapping) and "median" in t}
+        rows.append(row)
+    return rows
+
+
+def kv_update_setup(document: Mapping[str, Any], rows: list[dict[str, Any]]) -> str:
+    first = rows[0] if rows else {}
+    layout = str(first.get("layout", MISSING)).split(":")[0].split("/")[0]  # as the plot's title
+    sinks = "" if first.get("policy") == "h2o" else f"{first.get('sinks', MISSING)} sinks, "
+    return (f"Cache {first.get('cache_tokens', MISSING)} tokens, {sinks}block {first.get('block_size', MISSING)}, "
+            f"{layout} layout; median of at least {lookup(document, 'settings', 'min_repeats')} repetitions; "
+            f"load average {loads(lookup(document, 'settings', 'load_average_before'))} before, "
+            f"{loads(lookup(document, 'machine', 'load_average'))} after, "
+            f"on {lookup(document, 'machine', 'usable_cores')} cores; {lookup(document, 'machine', 'time_utc')}.")
+
+
+def kv_update_heading(document: Mapping[str, Any], rows: list[dict[str, Any]], path: Path) -> str:
+    policy = rows[0]["policy"] if rows else lookup(document, "settings", "policy")
+    threads = lookup(document, "settings", "threads", default=lookup(document, "machine", "torch_threads"))
+    dtypes = "/".join(sorted({str(row["dtype"]) for row in rows})) or MISSING
+    plural = "" if threads == 1 else "s"
+    return f"kv-update: {policy}, {threads} thread{plural}, {dtypes} (`{Path(path).name}`)"
+
+
+def kv_update_section(paths: Sequence[Path], doc_dir: Path) -> str:
+    """One `###` subsection per kv_update*.json: heading (policy, threads, dtype), the command,
+    the setup, the grid table exactly as `kv-update` prints it, its target check and its plot."""
+    from vllm_kvprune.bench import kv_update
+
+    sections = []
+    for path in paths:
+        document = load(path)
+        rows = kv_update_rows(document)
+        headers, body = kv_update.table_rows(rows)
+        sections.append(file_section(kv_update_heading(document, rows, path), document,
+                                     kv_update_setup(document, rows), markdown_table(headers, body),
+                                     list(document.get("target_check") or []), path, doc_dir))
+    return "\n\n".join(sections)
+
+
+# ---- throughput --------------------------------------------------------------------------
+# Columns only some runs record (older files predate them): left out when no row has them.
+OPTIONAL_THROUGHPUT_COLUMNS = ("plan share", "score share")
+
+
+def throughput_table(rows: list[dict[str, Any]]) -> str:
+    """`throughput.table_cells`, without the optional columns no row of this file has."""
+    from vllm_kvprune.bench import throughput
+
+    headers, body = throughput.table_cells(rows)
+    key_of = {header: key for header, key, _ in throughput.TABLE_COLUMNS}
+    keep = [index for index, header in enumerate(headers) if header not in OPTIONAL_THROUGHPUT_COLUMNS
+            or any(row.get(key_of[header]) is not None for row in rows)]
+    return markdown_table([headers[i] for i in keep], [[cells[i] for i in keep] for cells in body])
+
+
+def workload_text(workload: Any) -> str:
+    if not isinstance(workload, Mapping):
+        return MISSING
+    count = lookup(workload, "num_requests")
+    return (f"{count} request{'' if count == 1 else 's'} x {lookup(workload, 'prompt_tokens')}+"
+            f"{lookup(workload, 'gen_tokens')} tokens on {lookup(workload, 'pool_blocks')} blocks")
+
+
+def throughput_setup(document: Mapping[str, Any]) -> str:
+    engine, settings = lookup(document, "settings", "engine", default={}), lookup(document, "settings", default={})
+    model = Path(engine["model"]).name if engine.get("model") else MISSING
+    return (f"{model} {lookup(engine, 'dtype')}, block {lookup(engine, 'block_size')}, max_model_len "
+            f"{lookup(engine, 'max_model_len')}; memory-bound: {workload_text(settings.get('memory_bound'))}; "
+            f"overhead: {workload_text(settings.get('overhead'))}; OMP_WAIT_POLICY "
+            f"{lookup(settings, 'engine_env', 'OMP_WAIT_POLICY')}; load average "
+            f"{loads(lookup(document, 'timing', 'load_before'))} before, "
+            f"{loads(lookup(document, 'timing', 'load_after'))} after; {lookup(document, 'machine', 'time_utc')}.")
+
+
+def throughput_targets(summary: Mapping[str, Any]) -> list[str]:
+    """The two target ratios the run recorded, worded as `throughput` prints them."""
+    from vllm_kvprune.bench import throughput
+
+    def shown(ratio: Any, target: Any) -> str:
+        if ratio is None or target is None:
+            return "not measured"
+        return f"{ratio:.2f}x (target >= {target}x: {'met' if ratio >= target else 'NOT met'})"
+
+    return [f"memory-bound, streaming budget {throughput.TARGET_BUDGET} vs none: "
+            + shown(summary.get("memory_bound_ratio_budget_512"), summary.get("memory_bound_target")),
+            "nothing evicted, streaming vs none: "
+            + shown(summary.get("overhead_ratio"), summary.get("overhead_target"))]
+
+
+def throughput_section(paths: Sequence[Path], doc_dir: Path) -> str:
+    """One `###` subsection per throughput*.json: heading (policies), the command, the setup,
+    the table exactly as `throughput` prints it (tokens/s, ratio vs none, plan/score shares
+    when recorded), the target ratios and the plot."""
+    from vllm_kvprune.bench import throughput
+
+    sections = []
+    for path in paths:
+        document = load(path)
+        rows = [dict(row) for row in document.get("results") or []]
+        # The policies under test are the memory-bound ones (the overhead case is always streaming).
+        tested = [row for row in rows if row.get("setting") == throughput.MEMORY_BOUND] or rows
+        policies = sorted({str(row.get("policy", MISSING)) for row in tested} - {"none"}) or [MISSING]
+        heading = f"throughput: {', '.join(policies)} vs none (`{Path(path).name}`)"
+        sections.append(file_section(heading, document, throughput_setup(document), throughput_table(rows),
+                                     throughput_targets(document.get("summary") or {}), path, doc_dir))
+    return "\n\n".join(sections)
+
+
+# ---- machine -----------------------------------------------------------------------------
+MACHINE_FIELDS = (
+    ("CPU", "cpu_model"), ("key CPU flags", "cpu_key_flags"), ("usable cores", "usable_cores"),
+    ("memory GiB", "memory_gib"), ("Python", "python"), ("torch", "torch"), ("vLLM", "vllm"),
+    ("vllm_kvprune", "vllm_kvprune"), ("platform", "platform"),
+)
+
+
+def machine_value(machine: Mapping[str, Any], key: str) -> str:
+    value = machine.get(key)
+    if value is None or value == []:
+        return MISSING
+    return " ".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def machine_section(documents: Sequence[tuple[str, Mapping[str, Any]]]) -> str:
+    """Hardware and versions of the runs, as a table.
+
+    `documents` are (name, loaded JSON) pairs; the name (e.g. the file name) is what a value is
+    attributed to when the runs disagree: then the cell lists each distinct value followed by
+    the names it came from."""
+    rows = []
+    for label, key in MACHINE_FIELDS:
+        sources: dict[str, list[str]] = {}
+        for name, document in documents:
+            sources.setdefault(machine_value(lookup(document, "machine", default={}), key), []).append(name)
+        if len(sources) <= 1:
+            rows.append([label, next(iter(sources), MISSING)])
+        else:
+            rows.append([label, "; ".join(f"{value} ({', '.join(names)})" for value, names in sources.items())])
+    times = sorted(str(lookup(document, "machine", "time_utc")) for _, document in documents
+                   if lookup(document, "machine", "time_utc") != MISSING)
+    span = f"{times[0]} to {times[-1]}" if times else MISSING
+    return f"{len(documents)} result files, measured {span} (UTC).\n\n" + markdown_table(["", "value"], rows)
