@@ -72,7 +72,11 @@ def test_arithmetic_examples_are_right_and_scored(tokenizer):
 def test_perplexity_scores_forced_tokens_only(tokenizer):
     task = Perplexity(1, 300)
     (case,) = build(task, tokenizer, 0)
-    assert case.prompt_ids + case.forced_ids == case.prompt_ids + case.forced_ids[:] and len(case.forced_ids) == 299
+    from vllm_kvprune.bench.accuracy.task import essay_token_ids
+
+    start = case.facts["start"]
+    assert case.prompt_ids + case.forced_ids == essay_token_ids(tokenizer)[start:start + 300]
+    assert len(case.prompt_ids) == 1 and case.max_tokens == 299
     logprobs = [-1.0] * 299
     scored = task.score(case, Answer(case.forced_ids, "", logprobs))
     assert task.aggregate([scored]) == pytest.approx(math.e)
@@ -97,14 +101,19 @@ def test_side_by_side_compares_the_same_cases():
 
     mine = (records(report.OURS, "none", None, [1, 1, 0, 1]) + records(report.OURS, "streaming", 128, [1, 0, 0, 0])
             + records(report.KVPRESS, "none", None, [1, 1]) + records(report.KVPRESS, "StreamingLLMPress", 128, [0, 1]))
-    timings = [{"system": report.OURS, "method": "streaming", "task": task.name, "seconds": 4.0, "runs": 4},
-               {"system": report.KVPRESS, "method": "StreamingLLMPress", "task": task.name, "seconds": 3.0, "runs": 2}]
+    timings = [{"system": report.OURS, "method": "streaming", "task": task.name, "seconds": 9.0, "runs": 4,
+                "cases": "all"},
+               {"system": report.OURS, "method": "streaming", "task": task.name, "seconds": 2.0, "runs": 2,
+                "cases": "kvpress"},
+               {"system": report.KVPRESS, "method": "StreamingLLMPress", "task": task.name, "seconds": 3.0, "runs": 2,
+                "cases": "kvpress"}]
     headers, rows = report.side_by_side(task, mine, {"streaming": "StreamingLLMPress"}, timings)
     by_budget = {row[0]: dict(zip(headers, row)) for row in rows}
     assert rows[1] == ["128", "streaming", "50%", "1.00", "StreamingLLMPress", "50%", "1.50", "2"]
     assert by_budget[report.FULL_CACHE]["cases"] == "2" and rows[0][2] == "100%"
     headers, rows = report.budget_table(task, mine, [128])
-    assert rows[0] == [report.OURS, "none", "75%", "-"] and rows[1] == [report.OURS, "streaming", "-", "25%"]
+    assert rows[0] == [report.OURS, "none", "4", "75%", "-"] and rows[1] == [report.OURS, "streaming", "4", "-", "25%"]
+    assert rows[3] == [report.KVPRESS, "StreamingLLMPress", "2", "-", "50%"]
 
 
 def test_forced_tokens_follow_the_batch():

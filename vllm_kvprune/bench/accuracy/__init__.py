@@ -92,14 +92,14 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     records: list[dict[str, Any]] = []
     timings: list[dict[str, Any]] = []
+    press_work = [(t, [c for c in cases if len(c.prompt_ids) <= args.kvpress_max_prompt][:args.kvpress_cases])
+                  for t, cases in work if t.kvpress_can_run and args.kvpress]
     for policy in ("none", *args.policies):
-        found, timed = ours.run_policy(model, policy, args.budgets, work, args.sinks, args.pool_gib)
+        found, timed = ours.run_policy(model, policy, args.budgets, work, args.sinks, args.pool_gib, press_work)
         records += found
         timings += timed
     pairs = {policy: kvpress_side.PRESS_OF_POLICY[policy] for policy in args.policies}
     if args.kvpress:
-        press_work = [(t, [c for c in cases if len(c.prompt_ids) <= args.kvpress_max_prompt][:args.kvpress_cases])
-                      for t, cases in work if t.kvpress_can_run]
         full_cache: dict = {}
         for press in ("none", *pairs.values()):
             found, timed = kvpress_side.run_press(model, press, args.budgets, press_work, tokenizer, args.sinks,

@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence
 
-from vllm_kvprune.bench.accuracy.ours import record
 from vllm_kvprune.bench.accuracy.report import KVPRESS
 from vllm_kvprune.bench.accuracy.task import Answer, Case, Task
 from vllm_kvprune.bench.kvpress_runner import run_kvpress
@@ -26,6 +25,14 @@ def compression_ratio(prompt_tokens: int, kept: int) -> float:
     return 1.0 - (kept + 0.5) / prompt_tokens
 
 
+def matched_runs(cases: Sequence[Case], budgets: Sequence[int] | None) -> list[tuple[Case, int | None]]:
+    """(case, budget) pairs kvpress runs: every case under the full cache (`budgets` None), else
+    the budgets that prune the prompt (the others are the full-cache run again)."""
+    if budgets is None:
+        return [(case, None) for case in cases]
+    return [(case, b) for b in budgets for case in cases if b - 1 < len(case.prompt_ids)]
+
+
 def press_spec(press: str, sinks: int) -> dict[str, Any]:
     return {"name": press, "n_sink": sinks} if press == "StreamingLLMPress" else {"name": press}
 
@@ -38,10 +45,7 @@ def run_press(model: str, press: str, budgets: Sequence[int], work: Sequence[tup
     records, timings = [], []
     for task, cases in work:
         task_budgets = task.budgets or budgets
-        if press == "none":
-            runs = [(case, None) for case in cases]
-        else:
-            runs = [(case, b) for b in task_budgets for case in cases if b - 1 < len(case.prompt_ids)]
+        runs = matched_runs(cases, None if press == "none" else task_budgets)
         job = {"model": model, "prompts": [case.prompt_ids for case, _ in runs], "max_new_tokens": max(
             (case.max_tokens for case, _ in runs), default=1), "dtype": "bfloat16", "threads": threads,
             "stop_at_eos": True, "press": {"name": "none"} if press == "none" else press_spec(press, sinks),
@@ -51,7 +55,8 @@ def run_press(model: str, press: str, budgets: Sequence[int], work: Sequence[tup
         result = run_kvpress(job, timeout) if runs else {"results": []}
         seconds = sum(r["seconds"] for r in result["results"])
         timings.append({"system": KVPRESS, "method": press, "task": task.name, "seconds": seconds, "runs": len(runs),
-                        "wall_seconds": time.perf_counter() - started, "versions": result.get("versions")})
+                        "wall_seconds": time.perf_counter() - started, "versions": result.get("versions"),
+                        "cases": "kvpress"})
         for (case, budget), generated in zip(runs, result["results"]):
             if budget is not None and generated["kv_kept"] != budget - 1:
                 raise RuntimeError(f"kvpress {press} kept {generated['kv_kept']} tokens, not {budget - 1}")
@@ -59,10 +64,10 @@ def run_press(model: str, press: str, budgets: Sequence[int], work: Sequence[tup
             answer = Answer(ids, tokenizer.decode(ids, skip_special_tokens=True))
             if press == "none":
                 full_cache[(task.name, case.case_id)] = answer
-            records.append({**record(task, case, KVPRESS, press, budget, answer), "kv_kept": generated["kv_kept"]})
+            records.append({**task.record(case, KVPRESS, press, budget, answer), "kv_kept": generated["kv_kept"]})
         if press != "none":  # budgets that keep the whole prompt: the full-cache answer
             for budget in task_budgets:
                 for case in cases:
                     if budget - 1 >= len(case.prompt_ids) and (task.name, case.case_id) in full_cache:
-                        records.append(record(task, case, KVPRESS, press, budget, full_cache[(task.name, case.case_id)]))
+                        records.append(task.record(case, KVPRESS, press, budget, full_cache[(task.name, case.case_id)]))
     return records, timings

@@ -10,6 +10,7 @@ import time
 from typing import Any, Sequence
 
 from vllm_kvprune.bench.accuracy.forced import FORCED_KEY, ForcedTokens
+from vllm_kvprune.bench.accuracy.kvpress_side import matched_runs
 from vllm_kvprune.bench.accuracy.report import OURS
 from vllm_kvprune.bench.accuracy.task import Answer, Case, Task
 
@@ -46,8 +47,11 @@ def answer_of(output: Any) -> Answer:
 
 
 def run_policy(model: str, policy: str, budgets: Sequence[int], work: Sequence[tuple[Task, list[Case]]],
-               sinks: int, pool_gib: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Records and timings of one policy (`none`: the full cache, budget None) on every task."""
+               sinks: int, pool_gib: float, kvpress_work: Sequence[tuple[Task, list[Case]]] = ()
+               ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Records and timings of one policy (`none`: the full cache, budget None) on every task.
+    The runs kvpress makes of `kvpress_work` are then timed again on their own, so the two
+    sides' wall times cover the same prompts and budgets."""
     all_budgets = {b for task, _ in work for b in (task.budgets or budgets)}
     llm = build_engine(model, policy, max(all_budgets) if policy != "none" else None, sinks, pool_gib)
     records, timings = [], []
@@ -60,19 +64,20 @@ def run_policy(model: str, policy: str, budgets: Sequence[int], work: Sequence[t
             outputs = llm.generate([{"prompt_token_ids": case.prompt_ids} for case, _ in runs],
                                    [sampling_params(case, budget) for case, budget in runs], use_tqdm=True)
             seconds = time.perf_counter() - started
-            timings.append({"system": OURS, "method": policy, "task": task.name, "seconds": seconds, "runs": len(runs)})
+            timings.append({"system": OURS, "method": policy, "task": task.name, "seconds": seconds, "runs": len(runs),
+                            "cases": "all"})
             for (case, budget), output in zip(runs, outputs):
-                answer = answer_of(output)
-                records.append(record(task, case, OURS, policy, budget, answer))
+                records.append(task.record(case, OURS, policy, budget, answer_of(output)))
+        for task, cases in kvpress_work:
+            runs = matched_runs(cases, None if policy == "none" else task.budgets or budgets)
+            print(f"[{OURS} {policy}] {task.name}: timing kvpress's {len(runs)} runs", flush=True)
+            started = time.perf_counter()
+            llm.generate([{"prompt_token_ids": case.prompt_ids} for case, _ in runs],
+                         [sampling_params(case, budget) for case, budget in runs], use_tqdm=False)
+            timings.append({"system": OURS, "method": policy, "task": task.name, "runs": len(runs),
+                            "seconds": time.perf_counter() - started, "cases": "kvpress"})
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
     return records, timings
 
-
-def record(task: Task, case: Case, system: str, method: str, budget: int | None, answer: Answer) -> dict[str, Any]:
-    fields = {"task": task.name, "case_id": case.case_id, "system": system, "method": method, "budget": budget,
-              "prompt_tokens": len(case.prompt_ids), "facts": case.facts}
-    if case.forced_ids is None:
-        fields["answer"] = answer.text
-    return {**fields, **task.score(case, answer)}

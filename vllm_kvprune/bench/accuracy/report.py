@@ -31,22 +31,25 @@ def grouped(records: Iterable[dict[str, Any]]) -> dict[tuple[str, str, int | Non
 
 def budget_table(task: Task, records: Sequence[dict[str, Any]],
                  budgets: Sequence[int]) -> tuple[list[str], list[list[str]]]:
-    """One row per (system, method): the task's metric at each budget, or under the full cache."""
+    """One row per (system, method): the task's metric at each budget, or under the full cache,
+    and how many cases it ran (kvpress runs fewer)."""
     groups = grouped(records)
-    headers = ["system", "method", FULL_CACHE, *map(str, budgets)]
+    headers = ["system", "method", "cases", FULL_CACHE, *map(str, budgets)]
     rows = []
     for system, method in method_keys(records):
         cells = [groups.get((system, method, budget)) for budget in (None, *budgets)]
-        rows.append([system, method, *("-" if not c else task.format(task.aggregate(c)) for c in cells)])
+        cases = len({r["case_id"] for r in records if (r["system"], r["method"]) == (system, method)})
+        rows.append([system, method, str(cases), *("-" if not c else task.format(task.aggregate(c)) for c in cells)])
     return headers, rows
 
 
 def side_by_side(task: Task, records: Sequence[dict[str, Any]], pairs: dict[str, str],
                  timings: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     """Our policy next to its kvpress press on exactly the cases both ran at each budget, with
-    the wall time per run (prompt and answer) of each side on this task."""
+    each side's wall time per run (prompt and answer) over kvpress's runs of this task."""
     groups = grouped(records)
-    seconds = {(t["system"], t["method"]): t["seconds"] / max(t["runs"], 1) for t in timings if t["task"] == task.name}
+    seconds = {(t["system"], t["method"]): t["seconds"] / max(t["runs"], 1) for t in timings
+               if t["task"] == task.name and t.get("cases") == "kvpress"}
     headers = ["budget", "ours", task.metric, "s/run", "kvpress", task.metric, "s/run", "cases"]
     rows = []
     for policy, press in [("none", "none"), *pairs.items()]:

@@ -51,6 +51,14 @@ class Task:
         """The fields this answer adds to its record (at least `hit`, or what `aggregate` reads)."""
         raise NotImplementedError
 
+    def record(self, case: Case, system: str, method: str, budget: int | None, answer: Answer) -> dict[str, Any]:
+        """One answer as it goes to the JSON: who answered, at what budget, and its score."""
+        fields = {"task": self.name, "case_id": case.case_id, "system": system, "method": method, "budget": budget,
+                  "prompt_tokens": len(case.prompt_ids), "facts": case.facts}
+        if case.forced_ids is None:  # forced answers are the text itself; not worth storing
+            fields["answer"] = answer.text
+        return {**fields, **self.score(case, answer)}
+
     def aggregate(self, records: Sequence[dict[str, Any]]) -> float:
         """One number for a method at one budget: the hit rate, unless a task says otherwise."""
         return sum(r["hit"] for r in records) / len(records)
