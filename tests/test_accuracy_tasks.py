@@ -97,7 +97,7 @@ def test_side_by_side_compares_the_same_cases():
 
     def records(system, method, budget, hits):
         return [{"task": task.name, "case_id": f"kv{i}", "system": system, "method": method, "budget": budget,
-                 "hit": hit} for i, hit in enumerate(hits)]
+                 "hit": hit, "answer": f" {i}{hit}"} for i, hit in enumerate(hits)]
 
     mine = (records(report.OURS, "none", None, [1, 1, 0, 1]) + records(report.OURS, "streaming", 128, [1, 0, 0, 0])
             + records(report.KVPRESS, "none", None, [1, 1]) + records(report.KVPRESS, "StreamingLLMPress", 128, [0, 1]))
@@ -109,8 +109,9 @@ def test_side_by_side_compares_the_same_cases():
                 "cases": "kvpress"}]
     headers, rows = report.side_by_side(task, mine, {"streaming": "StreamingLLMPress"}, timings)
     by_budget = {row[0]: dict(zip(headers, row)) for row in rows}
-    assert rows[1] == ["128", "streaming", "50%", "1.00", "StreamingLLMPress", "50%", "1.50", "2"]
-    assert by_budget[report.FULL_CACHE]["cases"] == "2" and rows[0][2] == "100%"
+    # on kv0 and kv1 one side hit and the other missed: no answer is the same
+    assert rows[1] == ["128", "streaming", "50%", "1.00", "StreamingLLMPress", "50%", "1.50", "0/2"]
+    assert by_budget[report.FULL_CACHE]["same answer"] == "2/2" and rows[0][2] == "100%"
     headers, rows = report.budget_table(task, mine, [128])
     assert rows[0] == [report.OURS, "none", "4", "75%", "-"] and rows[1] == [report.OURS, "streaming", "4", "-", "25%"]
     assert rows[3] == [report.KVPRESS, "StreamingLLMPress", "2", "-", "50%"]

@@ -92,7 +92,7 @@ def test_results_page_renders_every_table(small_run, tmp_path):
             if path.with_suffix(".png").exists():
                 (small_run / path.with_suffix(".png").name).write_bytes(path.with_suffix(".png").read_bytes())
     page_path = tmp_path / "docs" / "RESULTS.md"
-    page = results_page.render(small_run, page_path, 0.0)
+    page = results_page.render(small_run, page_path)
     for task in results_page.ACCURACY_TASKS:
         table = load(small_run, task)["table"]
         assert "| " + " | ".join(table["rows"][0]) + " |" in page

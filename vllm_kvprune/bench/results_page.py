@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from vllm_kvprune.bench import results_sections as sections
+from vllm_kvprune.bench.accuracy import TASK_NAMES as ACCURACY_TASKS
+from vllm_kvprune.bench.accuracy import TASK_TYPES, report
 
 NAME = "results"
-ACCURACY_TASKS = ("perplexity", "needle", "kv_retrieval", "arithmetic")
 # (file stem, what it shows) of the speed results on the page, in page order.
 SPEED_FILES = {
     "kv_update": [("kv_update_streaming_2t", "streaming, 2 threads"), ("kv_update_h2o", "h2o, 2 threads"),
@@ -61,15 +62,14 @@ def run(args: argparse.Namespace) -> int:
 
         accuracy_args = bench.build_parser().parse_args(["accuracy", "--out-dir", args.results_dir])
         accuracy_args.run(accuracy_args)
-    page = render(Path(args.results_dir), Path(args.page), time.perf_counter() - started)
+    page = render(Path(args.results_dir), Path(args.page))
     print(f"wrote {args.page} ({len(page)} characters) in {(time.perf_counter() - started) / 60:.1f} min")
     return 0
 
 
-def render(results_dir: Path, page_path: Path, run_seconds: float) -> str:
+def render(results_dir: Path, page_path: Path) -> str:
+    """Write the page from the JSON files in `results_dir`; returns its text."""
     documents: list[tuple[str, dict[str, Any]]] = []
-    parts = ["# Results", GENERATED.format(minutes=run_seconds / 60)]
-
     accuracy_parts = [ABOUT_ACCURACY]
     for task in ACCURACY_TASKS:
         path = results_dir / f"accuracy_{task}.json"
@@ -77,7 +77,8 @@ def render(results_dir: Path, page_path: Path, run_seconds: float) -> str:
             document = sections.load(path)
             documents.append((path.name, document))
             accuracy_parts.append(accuracy_section(task, document, path, page_path.parent))
-    parts += ["## Accuracy", *accuracy_parts]
+    suite_seconds = max((d["settings"].get("run_s", 0) for _, d in documents), default=0)
+    parts = ["# Results", GENERATED.format(minutes=suite_seconds / 60), "## Accuracy", *accuracy_parts]
 
     for kind, title in (("throughput", "## Throughput"), ("kv_update", "## KV update: in place vs shift-and-append")):
         paths = [results_dir / f"{stem}.json" for stem, _ in SPEED_FILES[kind] if (results_dir / f"{stem}.json").is_file()]
@@ -94,21 +95,23 @@ def render(results_dir: Path, page_path: Path, run_seconds: float) -> str:
 
 
 GENERATED = ("Written by `python -m vllm_kvprune.bench results` (`bash scripts/results.sh` on a fresh "
-             "machine), which ran the accuracy suite and rendered this page in {minutes:.0f} min. Every "
-             "table below comes from a JSON file in `results/`; each section names the command that wrote it.")
+             "machine), which runs the accuracy suite and renders this page; the suite behind these tables "
+             "ran for {minutes:.0f} min on the machine described at the end. Every table below comes from a "
+             "JSON file in `results/`; each section names the command that wrote it.")
 
 
-def accuracy_section(task: str, document: dict[str, Any], path: Path, doc_dir: Path) -> str:
-    settings = document.get("settings", {})
-    metric = document.get("metric", "accuracy")
-    parts = [f"### {task.replace('_', ' ')} ({metric})",
+def accuracy_section(name: str, document: dict[str, Any], path: Path, doc_dir: Path) -> str:
+    """The task's tables, computed from its records and timings (not copied from the file, so
+    a newer page shows newer columns for older runs), and its plots."""
+    settings, records, task = document.get("settings", {}), document["results"], TASK_TYPES[name]()
+    budgets = sorted({r["budget"] for r in records if r["budget"] is not None})
+    parts = [f"### {name.replace('_', ' ')} ({task.metric}{', lower is better' if task.lower_is_better else ''})",
              f"Command: `{sections.shown_command(sections.lookup(document, 'machine', 'command', default=None))}`"
-             f" (seed {settings.get('seed', '-')}, {len({r['case_id'] for r in document['results']})} cases; "
-             f"the suite took {settings.get('run_s', 0) / 60:.0f} min)",
-             sections.markdown_table(document["table"]["headers"], document["table"]["rows"])]
-    if "side_by_side" in document:
-        parts += ["Ours and kvpress on the same cases:",
-                  sections.markdown_table(document["side_by_side"]["headers"], document["side_by_side"]["rows"])]
+             f" (seed {settings.get('seed', '-')})",
+             sections.markdown_table(*report.budget_table(task, records, budgets))]
+    if any(r["system"] == report.KVPRESS for r in records):
+        side = report.side_by_side(task, records, settings.get("press_of_policy", {}), document.get("timings", []))
+        parts += ["Ours and kvpress on the same cases:", sections.markdown_table(*side)]
     for suffix in ("", "_heatmap"):
         png = path.with_name(path.stem + suffix + ".png")
         link = sections.plot_link(png.with_suffix(".json"), doc_dir)

@@ -26,7 +26,9 @@ from vllm_kvprune.bench.accuracy.perplexity import Perplexity
 from vllm_kvprune.bench.accuracy.task import Case, Task
 
 NAME = "accuracy"
-TASK_NAMES = ("perplexity", "needle", "kv_retrieval", "arithmetic")
+TASK_TYPES: dict[str, type[Task]] = {"perplexity": Perplexity, "needle": Needle, "kv_retrieval": KVRetrieval,
+                                     "arithmetic": Arithmetic}
+TASK_NAMES = tuple(TASK_TYPES)
 POLICIES = ("streaming", "h2o", "paged_eviction")
 
 

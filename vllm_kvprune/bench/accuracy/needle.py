@@ -37,7 +37,7 @@ class Needle(Task):
     name = "needle"
     metric = "hit rate"
 
-    def __init__(self, contexts: Sequence[int], depths: Sequence[int], budgets: Sequence[int] | None = None,
+    def __init__(self, contexts: Sequence[int] = (), depths: Sequence[int] = (), budgets: Sequence[int] | None = None,
                  max_tokens: int = 32) -> None:
         self.contexts, self.depths, self.max_tokens = list(contexts), list(depths), max_tokens
         self.budgets = list(budgets) if budgets else None

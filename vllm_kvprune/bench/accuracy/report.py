@@ -46,11 +46,12 @@ def budget_table(task: Task, records: Sequence[dict[str, Any]],
 def side_by_side(task: Task, records: Sequence[dict[str, Any]], pairs: dict[str, str],
                  timings: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     """Our policy next to its kvpress press on exactly the cases both ran at each budget, with
-    each side's wall time per run (prompt and answer) over kvpress's runs of this task."""
+    each side's wall time per run (prompt and answer) over kvpress's runs of this task, and in
+    how many of those cases both gave the same answer text."""
     groups = grouped(records)
     seconds = {(t["system"], t["method"]): t["seconds"] / max(t["runs"], 1) for t in timings
                if t["task"] == task.name and t.get("cases") == "kvpress"}
-    headers = ["budget", "ours", task.metric, "s/run", "kvpress", task.metric, "s/run", "cases"]
+    headers = ["budget", "ours", task.metric, "s/run", "kvpress", task.metric, "s/run", "same answer"]
     rows = []
     for policy, press in [("none", "none"), *pairs.items()]:
         budgets = sorted({b for (s, m, b) in groups if (s, m) == (KVPRESS, press)}, key=lambda b: -1 if b is None else b)
@@ -61,10 +62,12 @@ def side_by_side(task: Task, records: Sequence[dict[str, Any]], pairs: dict[str,
             if not ours:
                 continue
             theirs = [r for r in theirs if r["case_id"] in {r["case_id"] for r in ours}]
+            their_answer = {r["case_id"]: r.get("answer", "").strip() for r in theirs}
+            same = sum(r.get("answer", "").strip() == their_answer[r["case_id"]] for r in ours)
             rows.append([FULL_CACHE if budget is None else str(budget),
                          policy, task.format(task.aggregate(ours)), _seconds(seconds.get((OURS, policy))),
                          press, task.format(task.aggregate(theirs)), _seconds(seconds.get((KVPRESS, press))),
-                         str(len(ours))])
+                         f"{same}/{len(ours)}"])
     return headers, rows
 
 
