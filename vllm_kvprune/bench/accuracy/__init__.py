@@ -39,7 +39,10 @@ def build_tasks(args: argparse.Namespace) -> list[Task]:
         "kv_retrieval": lambda: KVRetrieval(args.kv_cases),
         "arithmetic": lambda: Arithmetic(args.arith_cases),
     }
-    return [made[name]() for name in args.tasks]
+    tasks = [made[name]() for name in args.tasks]
+    for task in tasks:  # resolved once here: a task's own budgets, else the suite's
+        task.budgets = task.budgets or list(args.budgets)
+    return tasks
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -97,14 +100,14 @@ def run(args: argparse.Namespace) -> int:
     press_work = [(t, [c for c in cases if len(c.prompt_ids) <= args.kvpress_max_prompt][:args.kvpress_cases])
                   for t, cases in work if t.kvpress_can_run and args.kvpress]
     for policy in ("none", *args.policies):
-        found, timed = ours.run_policy(model, policy, args.budgets, work, args.sinks, args.pool_gib, press_work)
+        found, timed = ours.run_policy(model, policy, work, args.sinks, args.pool_gib, press_work)
         records += found
         timings += timed
     pairs = {policy: kvpress_side.PRESS_OF_POLICY[policy] for policy in args.policies}
     if args.kvpress:
         full_cache: dict = {}
         for press in ("none", *pairs.values()):
-            found, timed = kvpress_side.run_press(model, press, args.budgets, press_work, tokenizer, args.sinks,
+            found, timed = kvpress_side.run_press(model, press, press_work, tokenizer, args.sinks,
                                                   args.kvpress_threads, full_cache, args.kvpress_timeout)
             records += found
             timings += timed
@@ -126,7 +129,7 @@ def write_reports(args: argparse.Namespace, tasks: list[Task], records: list[dic
                     press_of_policy=pairs)
     for task in tasks:
         mine = [r for r in records if r["task"] == task.name]
-        headers, rows = report.budget_table(task, mine, task.budgets or args.budgets)
+        headers, rows = report.budget_table(task, mine, task.budgets)
         print(f"\n{task.name} ({task.metric}{', lower is better' if task.lower_is_better else ''})")
         common.print_table(headers, rows)
         extra: dict[str, Any] = {"table": {"headers": headers, "rows": rows}, "metric": task.metric,

@@ -25,27 +25,31 @@ def compression_ratio(prompt_tokens: int, kept: int) -> float:
     return 1.0 - (kept + 0.5) / prompt_tokens
 
 
+def prunes(case: Case, budget: int) -> bool:
+    """Whether keeping budget - 1 tokens drops any of the case's prompt."""
+    return budget - 1 < len(case.prompt_ids)
+
+
 def matched_runs(cases: Sequence[Case], budgets: Sequence[int] | None) -> list[tuple[Case, int | None]]:
     """(case, budget) pairs kvpress runs: every case under the full cache (`budgets` None), else
     the budgets that prune the prompt (the others are the full-cache run again)."""
     if budgets is None:
         return [(case, None) for case in cases]
-    return [(case, b) for b in budgets for case in cases if b - 1 < len(case.prompt_ids)]
+    return [(case, b) for b in budgets for case in cases if prunes(case, b)]
 
 
 def press_spec(press: str, sinks: int) -> dict[str, Any]:
     return {"name": press, "n_sink": sinks} if press == "StreamingLLMPress" else {"name": press}
 
 
-def run_press(model: str, press: str, budgets: Sequence[int], work: Sequence[tuple[Task, list[Case]]],
+def run_press(model: str, press: str, work: Sequence[tuple[Task, list[Case]]],
               tokenizer: Any, sinks: int, threads: int, full_cache: dict[tuple[str, str], Answer],
               timeout: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Records and timings of one press (`none`: full cache) on the tasks kvpress can run.
     `full_cache` maps (task, case id) to kvpress's full-cache answer; `none` fills it."""
     records, timings = [], []
     for task, cases in work:
-        task_budgets = task.budgets or budgets
-        runs = matched_runs(cases, None if press == "none" else task_budgets)
+        runs = matched_runs(cases, None if press == "none" else task.budgets)
         job = {"model": model, "prompts": [case.prompt_ids for case, _ in runs], "max_new_tokens": max(
             (case.max_tokens for case, _ in runs), default=1), "dtype": "bfloat16", "threads": threads,
             "stop_at_eos": True, "press": {"name": "none"} if press == "none" else press_spec(press, sinks),
@@ -66,8 +70,8 @@ def run_press(model: str, press: str, budgets: Sequence[int], work: Sequence[tup
                 full_cache[(task.name, case.case_id)] = answer
             records.append({**task.record(case, KVPRESS, press, budget, answer), "kv_kept": generated["kv_kept"]})
         if press != "none":  # budgets that keep the whole prompt: the full-cache answer
-            for budget in task_budgets:
+            for budget in task.budgets:
                 for case in cases:
-                    if budget - 1 >= len(case.prompt_ids) and (task.name, case.case_id) in full_cache:
+                    if not prunes(case, budget) and (task.name, case.case_id) in full_cache:
                         records.append(task.record(case, KVPRESS, press, budget, full_cache[(task.name, case.case_id)]))
     return records, timings

@@ -46,18 +46,18 @@ def answer_of(output: Any) -> Answer:
     return Answer(list(completion.token_ids), completion.text, logprobs)
 
 
-def run_policy(model: str, policy: str, budgets: Sequence[int], work: Sequence[tuple[Task, list[Case]]],
+def run_policy(model: str, policy: str, work: Sequence[tuple[Task, list[Case]]],
                sinks: int, pool_gib: float, kvpress_work: Sequence[tuple[Task, list[Case]]] = ()
                ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Records and timings of one policy (`none`: the full cache, budget None) on every task.
     The runs kvpress makes of `kvpress_work` are then timed again on their own, so the two
     sides' wall times cover the same prompts and budgets."""
-    all_budgets = {b for task, _ in work for b in (task.budgets or budgets)}
+    all_budgets = {b for task, _ in work for b in task.budgets}
     llm = build_engine(model, policy, max(all_budgets) if policy != "none" else None, sinks, pool_gib)
     records, timings = [], []
     try:
         for task, cases in work:
-            run_budgets: list[int | None] = [None] if policy == "none" else list(task.budgets or budgets)
+            run_budgets: list[int | None] = [None] if policy == "none" else list(task.budgets)
             runs = [(case, budget) for budget in run_budgets for case in cases]
             print(f"[{OURS} {policy}] {task.name}: {len(runs)} runs", flush=True)
             started = time.perf_counter()
@@ -69,7 +69,7 @@ def run_policy(model: str, policy: str, budgets: Sequence[int], work: Sequence[t
             for (case, budget), output in zip(runs, outputs):
                 records.append(task.record(case, OURS, policy, budget, answer_of(output)))
         for task, cases in kvpress_work:
-            runs = matched_runs(cases, None if policy == "none" else task.budgets or budgets)
+            runs = matched_runs(cases, None if policy == "none" else task.budgets)
             print(f"[{OURS} {policy}] {task.name}: timing kvpress's {len(runs)} runs", flush=True)
             started = time.perf_counter()
             llm.generate([{"prompt_token_ids": case.prompt_ids} for case, _ in runs],

@@ -41,7 +41,8 @@ class Task:
     lower_is_better: bool = False
     # kvpress compresses only the prompt; a task that needs eviction during decoding says no.
     kvpress_can_run: bool = True
-    # The budgets this task runs at, when not the suite's (a long-prompt task may run fewer).
+    # The budgets this task runs at: its own (a long-prompt task may run fewer), else the
+    # suite's, filled in by the suite before anything runs.
     budgets: list[int] | None = None
 
     def build(self, tokenizer: Any, rng: random.Random) -> list[Case]:
