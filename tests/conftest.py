@@ -61,12 +61,13 @@ def make_llm(model: str, policy: dict | None = None, *, kv_blocks: int = 512, **
 
 def page_bytes(model: str, options: dict) -> int:
     """Bytes of one KV block over all layers (what vLLM divides the pool by)."""
-    import json
+    from transformers import AutoConfig
 
-    config = json.loads((Path(model) / "config.json").read_text())
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    config = AutoConfig.from_pretrained(model).get_text_config()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     dtype_bytes = 4 if options["dtype"] == "float32" else 2
-    return 2 * options["block_size"] * config["num_key_value_heads"] * head_dim * dtype_bytes * config["num_hidden_layers"]
+    return 2 * options["block_size"] * kv_heads * head_dim * dtype_bytes * config.num_hidden_layers
 
 
 _live_engines: list[str] = []
@@ -78,7 +79,16 @@ def engine(model: str, policy: dict | None = None, **kwargs):
     distributed state, which would break any other engine still open in this process."""
     if _live_engines:
         raise RuntimeError(f"an in-process engine ({_live_engines[0]}) is still open; close it first")
-    llm = make_llm(model, policy, **kwargs)
+    try:
+        llm = make_llm(model, policy, **kwargs)
+    except BaseException:
+        # A start-up that failed (a refused model) leaves vLLM's in-process distributed state
+        # behind; the next engine would inherit it. A real engine core process just exits.
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+        destroy_model_parallel()
+        destroy_distributed_environment()
+        raise
     _live_engines.append(f"{Path(model).name}, {policy}")
     try:
         yield llm

@@ -225,6 +225,24 @@ class KVPolicyConfig:
         streaming_tokens = self.budget - 1 + self.prefill_chunk
         return max(self.cap_blocks(block_size), math.ceil(streaming_tokens / block_size))
 
+    def prompt_blocks(self, block_size: int, num_prompt_tokens: int) -> int:
+        """Most blocks a request holds while its prompt of `num_prompt_tokens` is prefilled:
+        the whole prompt with `prefill: full`, at most `prefill_cap_blocks` when streaming."""
+        whole = -(-num_prompt_tokens // block_size)
+        streaming = self.prefill_cap_blocks(block_size)
+        return whole if streaming is None else min(whole, streaming)
+
+    def peak_blocks(self, block_size: int, max_model_len: int, num_prompt_tokens: int | None = None) -> int:
+        """Most blocks one request ever holds: its prompt's prefill (unknown prompt: the
+        longest the policy bounds, nothing for `prefill: full`) or its cap past the prompt,
+        never more than `max_model_len` tokens need. A pool with this many usable blocks
+        always serves the request, however long it waits for others to finish."""
+        whole_model_len = -(-max_model_len // block_size)
+        prefill = self.prefill_cap_blocks(block_size) or 0
+        if num_prompt_tokens is not None:
+            prefill = self.prompt_blocks(block_size, num_prompt_tokens)
+        return min(whole_model_len, max(prefill, self.cap_blocks(block_size)))
+
     def for_request(self, extra_args: Mapping[str, Any] | None) -> "KVPolicyConfig":
         """This config with a request's `kv_*` overrides applied and validated."""
         overrides = request_overrides(extra_args)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import sys
 
+from vllm_kvprune import admission, vllm_hooks
+
 from vllm_kvprune.config import (
     ADDITIONAL_CONFIG_KEY,
     ALL_POLICIES,
@@ -39,19 +41,31 @@ _install_error: BaseException | None = None
 # The policy the engine was built with, in this (front-end) process: checks requests.
 _frontend_policy: KVPolicyConfig | None = None
 _frontend_block_size: int | None = None
+_frontend_vllm_config = None
 
 
 def register() -> None:
-    """The `vllm.general_plugins` entry point: idempotent, cheap, never raises."""
+    """The `vllm.general_plugins` entry point: idempotent, cheap, never raises.
+
+    On a vLLM this release does not support (pyproject.toml declares which), nothing is
+    installed: `none` is then stock vLLM, and any other policy refuses to start, saying why.
+    """
     global _installed, _install_error
     if _installed:
         return
     _installed = True
     try:
-        _install_cli()
-        _install_engine_config()
+        problem = vllm_hooks.version_problem()
+        if problem is not None:
+            _install_error = RuntimeError(problem)
+            logger.error("vllm-kvprune: %s; KV policies other than 'none' will refuse to start", problem)
+            return
+        vllm_hooks.install_cli(_add_kv_flags, _exit_on_bad_flags, _policy_entry, ADDITIONAL_CONFIG_KEY)
+        vllm_hooks.install_engine_config(_prepare_engine_args, _adjust_vllm_config)
         _install_kv_spec()
-        _install_backend()
+        vllm_hooks.install_memory_hint(_memory_hint)
+        vllm_hooks.install_prompt_check(check_prompt)
+        vllm_hooks.install_backend(BACKEND_CLS)
     except Exception as exc:  # noqa: BLE001 - a broken plugin must not take vLLM down
         _install_error = exc
         logger.exception(
@@ -61,9 +75,11 @@ def register() -> None:
 
 
 def require_installed(where: str) -> None:
-    """Refuse to run a policy on a half-installed plugin (never fall back to `none`)."""
+    """Refuse to run a policy on a half-installed plugin or on a vLLM whose internals moved
+    (never fall back to `none`)."""
     if _install_error is not None:
-        raise RuntimeError(f"vllm-kvprune is not installed correctly ({where}): {_install_error!r}")
+        raise RuntimeError(f"vllm-kvprune is not installed correctly ({where}): {_install_error}")
+    vllm_hooks.require_compatible_vllm(where)
 
 
 # ---- front end: flags ------------------------------------------------------------------
@@ -123,66 +139,29 @@ def policy_from_args(args) -> KVPolicyConfig | None:
     return policy
 
 
-def _exit_on_bad_flags(parse):
-    """Wrap a parser's parse_known_args: bad --kv-* flags exit 2 with one line, before start-up."""
-
-    def parse_known_args(*args, **kwargs):
-        namespace, rest = parse(*args, **kwargs)
-        if hasattr(namespace, "kv_policy"):
-            try:
-                policy_from_args(namespace)
-            except KVConfigError as exc:
-                print(f"vllm-kvprune: error: {exc}", file=sys.stderr)
-                sys.exit(2)
-        return namespace, rest
-
-    return parse_known_args
+def _exit_on_bad_flags(namespace) -> None:
+    """Bad --kv-* flags exit 2 with one line, before start-up."""
+    if not hasattr(namespace, "kv_policy"):
+        return
+    try:
+        policy_from_args(namespace)
+    except KVConfigError as exc:
+        print(f"vllm-kvprune: error: {exc}", file=sys.stderr)
+        sys.exit(2)
 
 
-def _install_cli() -> None:
-    from vllm.engine.arg_utils import EngineArgs
-
-    original_add = EngineArgs.add_cli_args
-    original_from = EngineArgs.from_cli_args.__func__
-
-    def add_cli_args(parser):
-        parser = original_add(parser)
-        _add_kv_flags(parser)
-        parser.parse_known_args = _exit_on_bad_flags(parser.parse_known_args)
-        return parser
-
-    def from_cli_args(cls, args):
-        engine_args = original_from(cls, args)
-        policy = policy_from_args(args) if hasattr(args, "kv_policy") else None
-        if policy is not None:
-            engine_args.additional_config = {
-                **(engine_args.additional_config or {}), ADDITIONAL_CONFIG_KEY: policy.to_dict()
-            }
-        return engine_args
-
-    EngineArgs.add_cli_args = staticmethod(add_cli_args)
-    EngineArgs.from_cli_args = classmethod(from_cli_args)
+def _policy_entry(args) -> dict | None:
+    """What the flags put under `additional_config["kv_policy"]` (None: no flags given)."""
+    policy = policy_from_args(args) if hasattr(args, "kv_policy") else None
+    return policy.to_dict() if policy is not None else None
 
 
 # ---- front end: engine settings --------------------------------------------------------
-def _install_engine_config() -> None:
-    from vllm.engine.arg_utils import EngineArgs
-
-    original_create = EngineArgs.create_engine_config
-
-    def create_engine_config(self, *args, **kwargs):
-        policy = from_additional_config(self.additional_config)
-        if policy.active:
-            _prepare_engine_args(self, policy)
-        vllm_config = original_create(self, *args, **kwargs)
-        if policy.active:
-            _adjust_vllm_config(vllm_config, policy)
-        return vllm_config
-
-    EngineArgs.create_engine_config = create_engine_config
-
-
-def _prepare_engine_args(engine_args, policy: KVPolicyConfig) -> None:
+def _prepare_engine_args(engine_args) -> KVPolicyConfig | None:
+    """Before vLLM builds its config: the settings a policy needs (None: no policy)."""
+    policy = from_additional_config(engine_args.additional_config)
+    if not policy.active:
+        return None
     require_installed("front end")
     if policy.name not in AVAILABLE_POLICIES:
         raise KVConfigError(f"{ADDITIONAL_CONFIG_KEY}.name", f"policy {policy.name} is not available yet")
@@ -194,10 +173,11 @@ def _prepare_engine_args(engine_args, policy: KVPolicyConfig) -> None:
     if engine_args.enable_prefix_caching is not False:
         logger.info("kvprune: prefix caching turned off (pruned blocks must never be shared)")
         engine_args.enable_prefix_caching = False
+    return policy
 
 
 def _adjust_vllm_config(vllm_config, policy: KVPolicyConfig) -> None:
-    global _frontend_policy, _frontend_block_size
+    global _frontend_policy, _frontend_block_size, _frontend_vllm_config
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -212,13 +192,33 @@ def _adjust_vllm_config(vllm_config, policy: KVPolicyConfig) -> None:
     model_config = vllm_config.model_config
     model_config.logits_processors = [*(model_config.logits_processors or []), REQUEST_VALIDATOR]
     vllm_config.additional_config[ADDITIONAL_CONFIG_KEY] = policy.to_dict()
-    _frontend_policy, _frontend_block_size = policy, block_size
+    _frontend_policy, _frontend_block_size, _frontend_vllm_config = policy, block_size, vllm_config
+
+
+def _memory_hint(vllm_config) -> str | None:
+    """The policy's remedy, added to vLLM's start-up error when one request does not fit."""
+    policy = from_additional_config(vllm_config.additional_config)
+    return admission.memory_hint(policy, vllm_config.cache_config.block_size, vllm_config.model_config.max_model_len)
+
+
+def _frontend_pool_blocks() -> int | None:
+    """Usable KV blocks, once the engine has reported its pool (None before)."""
+    return vllm_hooks.reported_pool_blocks(_frontend_vllm_config) if _frontend_vllm_config is not None else None
+
+
+def check_prompt(num_prompt_tokens: int) -> None:
+    """Front end, every prompt: under `prefill: full` it must fit the pool (HTTP 400)."""
+    usable = _frontend_pool_blocks()
+    if _frontend_policy is None or usable is None:
+        return
+    admission.check_prompt_fits(_frontend_policy, num_prompt_tokens, _frontend_block_size, usable)
 
 
 # ---- per request: HTTP 400 for a bad override --------------------------------------------
 def _request_validator_cls():
     from vllm.exceptions import VLLMValidationError
-    from vllm.v1.sample.logits_processor import LogitsProcessor
+
+    from vllm_kvprune.vllm_hooks import LogitsProcessor
 
     class RequestValidator(LogitsProcessor):
         """Checks a request's `kv_*` overrides in the front end; changes no logits.
@@ -235,6 +235,10 @@ def _request_validator_cls():
             try:
                 policy = _frontend_policy.for_request(sampling_params.extra_args)
                 policy.check_engine(_frontend_block_size, REQUEST)
+                usable = _frontend_pool_blocks()
+                if usable is not None:
+                    admission.check_request_fits(policy, sampling_params.extra_args, _frontend_block_size,
+                                                 _frontend_vllm_config.model_config.max_model_len, usable)
             except KVConfigError as exc:
                 raise VLLMValidationError(str(exc), parameter=exc.setting) from None
 
@@ -264,23 +268,7 @@ def __getattr__(name: str):
 
 # ---- engine core and worker --------------------------------------------------------------
 def _install_kv_spec() -> None:
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
-
     from vllm_kvprune.engine.manager import KVPruneManager
     from vllm_kvprune.engine.spec import KVPruneSpec
 
-    # Registering first would leave vLLM's built-in specs unregistered (VLLM_NOTES A8).
-    KVCacheSpecRegistry._ensure_registered()
-    KVCacheSpecRegistry.register(KVPruneSpec, KVPruneManager, uniform_type_base_spec=FullAttentionSpec)
-
-
-def _install_backend() -> None:
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-
-    # CpuPlatform ignores --attention-backend; overriding the CPU_ATTN member is the way in.
-    register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_CLS)
+    vllm_hooks.install_kv_spec(KVPruneSpec, KVPruneManager)

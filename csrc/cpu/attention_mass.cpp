@@ -415,6 +415,7 @@ struct Problem {
   int64_t num_queries;
   int64_t group;  // query heads per KV head
   float scale;
+  float softcap;  // > 0: logits become softcap * tanh(logits / softcap) (Gemma 2 style)
   // query [N, Hq, D]
   const char* query;
   at::ScalarType query_type;
@@ -520,6 +521,14 @@ void run_row(const Problem& P, const elem_t* cache, const RowGroup& rg, const in
     for (int64_t b = 0; b < num_blocks; ++b) {
       const elem_t* page = cache + (P.block_at(rg.row, b) * g.num_heads + head) * g.page_elems;
       Page::scores(page, g, s.query.data(), G, std::min(bs, n - b * bs), logits + b * bs, ld);
+    }
+
+    if (P.softcap > 0.0f) {  // soft-capping, as vLLM's kernel applies it: after the scale
+      const float cap = P.softcap, inverse_cap = 1.0f / P.softcap;
+      for (int64_t gi = 0; gi < G; ++gi) {
+        float* l = logits + gi * ld;
+        for (int64_t o = 0; o < n; ++o) l[o] = cap * std::tanh(l[o] * inverse_cap);
+      }
     }
 
     for (int64_t gi = 0; gi < G; ++gi) {  // softmax over the n keys, in place
@@ -646,7 +655,7 @@ void attention_mass(const at::Tensor& query, const at::Tensor& kv_cache,
                     const at::Tensor& block_table, const at::Tensor& query_rows,
                     const at::Tensor& key_counts, double scale, const at::Tensor& mass,
                     const std::optional<at::Tensor>& output, const at::Tensor& key_offsets,
-                    const at::Tensor& value_offsets, c10::IntArrayRef tiling) {
+                    const at::Tensor& value_offsets, c10::IntArrayRef tiling, double softcap) {
   Problem P;
   P.g = attention_geometry(kv_cache, key_offsets, value_offsets, tiling);
   const PageGeometry& g = P.g;
@@ -666,6 +675,8 @@ void attention_mass(const at::Tensor& query, const at::Tensor& kv_cache,
   P.num_queries = N;
   P.group = Hq / H;
   P.scale = static_cast<float>(scale);
+  TORCH_CHECK(softcap >= 0.0, "kvprune.attention_mass: softcap must be >= 0 (0: none), got ", softcap);
+  P.softcap = static_cast<float>(softcap);
   P.query = static_cast<const char*>(query.const_data_ptr());
   P.query_type = query.scalar_type();
   P.query_stride0 = query.stride(0);

@@ -2,7 +2,8 @@
 // the attention output, read straight from vLLM's CPU paged KV cache.
 //
 // For query i (block-table row query_rows[i]) and query head q, with KV head h = q / (Hq / H):
-//   p = softmax_s(scale * <query[i, q], K[s, h]>) over the row's slots s < key_counts[i],
+//   p = softmax_s(cap(scale * <query[i, q], K[s, h]>)) over the row's slots s < key_counts[i],
+//   with cap(x) = softcap * tanh(x / softcap) when softcap > 0 (logit soft-capping), else x,
 //   mass[h, global_slot(s)] += sum over the query heads of h's group of p_s,
 //   output[i, q] = sum_s p_s V[s, h]                        (only when output is given),
 // where global_slot(s) = block_table[row, s / block_size] * block_size + s % block_size.
@@ -26,7 +27,7 @@ void attention_mass(const at::Tensor& query, const at::Tensor& kv_cache,
                     const at::Tensor& block_table, const at::Tensor& query_rows,
                     const at::Tensor& key_counts, double scale, const at::Tensor& mass,
                     const std::optional<at::Tensor>& output, const at::Tensor& key_offsets,
-                    const at::Tensor& value_offsets, c10::IntArrayRef tiling);
+                    const at::Tensor& value_offsets, c10::IntArrayRef tiling, double softcap);
 
 // H2O's victims: for every layer l and KV head h, the `count` indices i into `slots` [n]
 // (a request's global slots) whose tokens, at positions logical[l, h, i], are evicted first:

@@ -20,7 +20,7 @@ TORCH_LIBRARY(kvprune, m) {
   m.def(
       "attention_mass(Tensor query, Tensor kv_cache, Tensor block_table, Tensor query_rows, "
       "Tensor key_counts, float scale, Tensor(a!) mass, Tensor(b!)? output, "
-      "Tensor key_offsets, Tensor value_offsets, int[] tiling) -> ()");
+      "Tensor key_offsets, Tensor value_offsets, int[] tiling, float softcap=0.0) -> ()");
   m.def(
       "lowest_mass_slots(Tensor mass, Tensor slots, Tensor logical, int count, int next_position, "
       "int sinks, int recent) -> Tensor");

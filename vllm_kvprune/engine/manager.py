@@ -4,19 +4,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
-
 from vllm_kvprune.config import KVPolicyConfig
+from vllm_kvprune.vllm_hooks import FullAttentionManager
 
 PolicyLookup = Callable[[str], "KVPolicyConfig | None"]
+PromptLookup = Callable[[str], "int | None"]
 
 
 class KVPruneManager(FullAttentionManager):
     """Allocates like full attention while a prompt is prefilled, then caps the request.
 
-    Invariants (per request, with policy p and block size bs):
-    - while the prompt is prefilled it holds at most `p.prefill_cap_blocks(bs)` blocks
-      (unbounded for `prefill: full`);
+    Invariants (per request, with policy p, block size bs and a prompt of P tokens):
+    - while the prompt is prefilled it holds at most `p.prompt_blocks(bs, P)` blocks (the
+      whole prompt for `prefill: full`), and admitting it never asks for more than
+      `max(p.prompt_blocks(bs, P), p.cap_blocks(bs))`, even when a preempted request
+      comes back with outputs to replay: a request that fits an empty pool is admitted;
     - from the first step after its prompt has been processed it holds at most
       `p.cap_blocks(bs)` blocks: the tail beyond the cap is returned to the pool then,
       and nothing is allocated past it (the worker has compacted the survivors into the
@@ -27,21 +29,30 @@ class KVPruneManager(FullAttentionManager):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._policy_of: PolicyLookup = lambda request_id: None
+        self._prompt_of: PromptLookup = lambda request_id: None
         # Requests whose prompt has been processed since they were (re)scheduled.
         self._past_prompt: set[str] = set()
 
-    def bind_policies(self, policy_of: PolicyLookup) -> None:
-        """Called by the scheduler, which owns the per-request policies."""
+    def bind_policies(self, policy_of: PolicyLookup, prompt_of: PromptLookup | None = None) -> None:
+        """Called by the scheduler, which owns the per-request policies and prompts."""
         self._policy_of = policy_of
+        if prompt_of is not None:
+            self._prompt_of = prompt_of
 
     def block_limit(self, request_id: str) -> int | None:
         """Blocks the request may hold now (None: no limit)."""
         policy = self._policy_of(request_id)
         if policy is None or not policy.active:
             return None
+        cap = policy.cap_blocks(self.block_size)
         if request_id in self._past_prompt:
-            return policy.cap_blocks(self.block_size)
-        return policy.prefill_cap_blocks(self.block_size)
+            return cap
+        num_prompt_tokens = self._prompt_of(request_id)
+        if num_prompt_tokens is None:
+            return policy.prefill_cap_blocks(self.block_size)
+        # Before the prompt ends (also when a preempted request replays its outputs later):
+        # the prompt's prefill, then the cap; never the whole replayed sequence at once.
+        return max(policy.prompt_blocks(self.block_size, num_prompt_tokens), cap)
 
     def _clamped(self, request_id: str, num_tokens: int) -> int:
         limit = self.block_limit(request_id)

@@ -1,14 +1,14 @@
-"""The scheduler subclass: per-request budgets and policy-shaped prefill chunks."""
+"""The scheduler subclass: per-request budgets, policy-shaped prefill chunks, and admission
+that cannot stall."""
 
 from __future__ import annotations
 
 import logging
 
-from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.request import Request
-
+from vllm_kvprune import vllm_hooks
 from vllm_kvprune.config import KVPolicyConfig, policy_from_vllm_config
 from vllm_kvprune.engine.manager import KVPruneManager
+from vllm_kvprune.vllm_hooks import Scheduler
 
 logger = logging.getLogger("vllm_kvprune")
 
@@ -34,48 +34,87 @@ def chunk_tokens(policy: KVPolicyConfig, num_prompt_tokens: int, num_computed: i
 
 
 class KVPruneScheduler(Scheduler):
-    """vLLM's scheduler, plus the per-request policy table the capped managers read."""
+    """vLLM's scheduler, plus the per-request policy table the capped managers read.
+
+    Admission: a request whose peak need (its prompt's prefill or its cap, in the policy's
+    KV-cache group, plus what vLLM's own groups need, e.g. a hybrid model's sliding-window
+    layers) exceeds the whole pool could never run and would block every request queued
+    behind it; it is finished at once with an error and a log line saying why. The front
+    end refuses such requests earlier, with HTTP 400, wherever it can tell.
+    """
 
     def __init__(self, vllm_config, *args, **kwargs) -> None:
         super().__init__(vllm_config, *args, **kwargs)
         self.kv_policy: KVPolicyConfig = policy_from_vllm_config(vllm_config)
         self.request_policies: dict[str, KVPolicyConfig] = {}
-        self.kvprune_managers = [
-            manager
-            for manager in self.kv_cache_manager.coordinator.single_type_managers
-            if isinstance(manager, KVPruneManager)
-        ]
+        managers = vllm_hooks.single_type_managers(self)
+        self.kvprune_managers = [manager for manager in managers if isinstance(manager, KVPruneManager)]
         for manager in self.kvprune_managers:
-            manager.bind_policies(self.request_policies.get)
+            manager.bind_policies(self.request_policies.get, self._prompt_tokens)
+        # Blocks a request needs from vLLM's own (uncapped) groups, e.g. sliding windows.
+        self._other_group_blocks = sum(
+            -(-manager.kv_cache_spec.max_memory_usage_bytes(vllm_config) // manager.kv_cache_spec.page_size_bytes)
+            for manager in managers if not isinstance(manager, KVPruneManager)
+        )
         self._log_capacity()
+
+    def _prompt_tokens(self, request_id: str) -> int | None:
+        request = self.requests.get(request_id)
+        return request.num_prompt_tokens if request is not None else None
+
+    @property
+    def usable_blocks(self) -> int:
+        return vllm_hooks.pool_blocks(self)
+
+    def peak_blocks(self, policy: KVPolicyConfig, num_prompt_tokens: int) -> int:
+        """Most blocks one request with this policy and prompt holds at once, over all groups."""
+        block_size = self.kvprune_managers[0].block_size
+        per_group = policy.peak_blocks(block_size, self.max_model_len, num_prompt_tokens)
+        return per_group * len(self.kvprune_managers) + self._other_group_blocks
 
     def _log_capacity(self) -> None:
         # vLLM's own "KV cache size" line multiplies the capped footprint by
         # max_model_len and overstates the pool; say what it really holds.
         if not self.kvprune_managers or not self.kv_policy.active:
             return
-        block_size = self.kvprune_managers[0].block_size
-        num_blocks = self.kv_cache_manager.block_pool.num_gpu_blocks - 1
-        cap = self.kv_policy.cap_blocks(block_size)
+        policy, block_size = self.kv_policy, self.kvprune_managers[0].block_size
+        cap = policy.cap_blocks(block_size)
+        longest = self.usable_blocks - self._other_group_blocks
+        if policy.prefill == "full":
+            longest_prompt = f"prompts of up to {min(longest * block_size, self.max_model_len)} tokens (prefill: full)"
+        else:
+            longest_prompt = f"prompts of up to {self.max_model_len} tokens (prefill: streaming)"
         logger.info(
-            "kvprune: policy %s, budget %d tokens; the KV pool holds %d blocks (%d tokens); "
-            "a request keeps at most %d blocks after prefill, so up to %d requests fit at once",
-            self.kv_policy.name, self.kv_policy.budget, num_blocks, num_blocks * block_size,
-            cap, num_blocks // cap,
+            "kvprune: policy %s, budget %d tokens; the KV pool holds %d blocks (%d tokens); a request "
+            "keeps at most %d blocks after its prompt, so up to %d requests fit at once; it serves %s",
+            policy.name, policy.budget or 0, self.usable_blocks, self.usable_blocks * block_size, cap,
+            self.usable_blocks // max(cap, 1), longest_prompt,
         )
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request) -> None:
         # The front end has validated the overrides (HTTP 400 otherwise).
         extra_args = request.sampling_params.extra_args if request.sampling_params else None
-        self.request_policies[request.request_id] = self.kv_policy.for_request(extra_args)
+        policy = self.kv_policy.for_request(extra_args)
+        self.request_policies[request.request_id] = policy
         super().add_request(request)
+        if self.kvprune_managers and policy.active:
+            needed = self.peak_blocks(policy, request.num_prompt_tokens)
+            if needed > self.usable_blocks:
+                logger.error(
+                    "kvprune: request %s can never fit the KV pool: with %s (budget %s, prefill %s) and a "
+                    "prompt of %d tokens it needs %d blocks at once, the pool has %d; finishing it with an "
+                    "error (a smaller kv_budget, a shorter prompt or --kv-prefill streaming would fit)",
+                    request.request_id, policy.name, policy.budget, policy.prefill, request.num_prompt_tokens,
+                    needed, self.usable_blocks,
+                )
+                vllm_hooks.fail_at_next_step(self, request.request_id)
 
-    def _free_request(self, request: Request, *args, **kwargs):
+    def _free_request(self, request, *args, **kwargs):
         result = super()._free_request(request, *args, **kwargs)
         self.request_policies.pop(request.request_id, None)
         return result
 
-    def _reserve_prefill_lookahead(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
+    def _reserve_prefill_lookahead(self, request, num_computed_tokens: int, num_new_tokens: int) -> int:
         num_new_tokens = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
         policy = self.request_policies.get(request.request_id)
         if policy is None or not policy.active:
@@ -86,5 +125,5 @@ class KVPruneScheduler(Scheduler):
         """Real (non-null) blocks the request holds now, over all groups; for invariant checks."""
         return sum(
             sum(1 for block in manager.req_to_blocks.get(request_id, ()) if not block.is_null)
-            for manager in self.kv_cache_manager.coordinator.single_type_managers
+            for manager in vllm_hooks.single_type_managers(self)
         )

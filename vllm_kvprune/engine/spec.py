@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from vllm.v1.kv_cache_interface import FullAttentionSpec
-
 from vllm_kvprune.config import policy_from_vllm_config
+from vllm_kvprune.vllm_hooks import FullAttentionSpec
 
 
 class KVPruneSpec(FullAttentionSpec):
@@ -17,13 +16,14 @@ class KVPruneSpec(FullAttentionSpec):
 
     def max_memory_usage_bytes(self, vllm_config) -> int:
         # vLLM admits a model only if one request at max_model_len fits the pool; a
-        # bounded request needs its cap, so report that (a long max_model_len then fits).
-        full = super().max_memory_usage_bytes(vllm_config)
+        # bounded request needs its cap (or its streaming prefill), so report that: a
+        # max_model_len far beyond the pool then fits, for generations longer than the pool.
+        # Under `prefill: full` a prompt is cached whole before it is pruned, so the longest
+        # prompt is bounded by the pool instead: the front end answers a longer one with
+        # HTTP 400 (and the scheduler never queues one), see `KVPruneScheduler`.
         policy = policy_from_vllm_config(vllm_config)
+        full = super().max_memory_usage_bytes(vllm_config)
         if not policy.active:
             return full
-        blocks = policy.cap_blocks(self.block_size)
-        prefill_blocks = policy.prefill_cap_blocks(self.block_size)
-        if prefill_blocks is not None:
-            blocks = max(blocks, prefill_blocks)
+        blocks = policy.peak_blocks(self.block_size, vllm_config.model_config.max_model_len)
         return min(full, blocks * self.page_size_bytes)

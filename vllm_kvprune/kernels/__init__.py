@@ -142,6 +142,7 @@ def attention_mass(
     scale: float,
     mass: torch.Tensor,
     output: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> None:
     """Attention probability mass per cached slot (H2O heavy hitters), read from the cache.
 
@@ -153,10 +154,13 @@ def attention_mass(
     over the query heads of each KV head, and writes ``output[i, q] = sum_s p_s V_s`` when
     ``output`` (``[N, Hq, D]``, float32 or the query dtype) is given. A query with no keys
     adds nothing and gets a zero output. ``block_table`` is int32 (vLLM's) or int64.
+    ``softcap > 0`` soft-caps the scaled logits first (``softcap * tanh(x / softcap)``), as
+    vLLM's kernel does for Gemma 2-style models.
     """
     query_rows, key_counts = _as_slots(query_rows), _as_slots(key_counts)
     if not HAS_EXTENSION:
-        reference.attention_mass(query, kv_cache, layout, block_table, query_rows, key_counts, scale, mass, output)
+        reference.attention_mass(query, kv_cache, layout, block_table, query_rows, key_counts, scale, mass, output,
+                                 softcap)
         return
     torch.ops.kvprune.attention_mass(
         _unit_last_stride(query),
@@ -170,6 +174,7 @@ def attention_mass(
         layout.key_offsets,
         layout.value_offsets,
         layout.tiling_list,
+        float(softcap),
     )
 
 

@@ -74,10 +74,12 @@ def attention_mass(
     scale: float,
     mass: torch.Tensor,
     output: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> None:
     """Softmax attention of each query over its row's first ``key_counts[i]`` slots; adds each
     slot's probability, summed over the query heads of its KV head, to ``mass [H, num_slots]``
-    and, if given, writes the attention output ``[N, Hq, D]``. One query at a time, in fp32.
+    and, if given, writes the attention output ``[N, Hq, D]``. One query at a time, in fp32;
+    ``softcap > 0`` caps the scaled logits to ``softcap * tanh(logits / softcap)`` first.
     """
     num_queries, query_heads, head_size = query.shape
     num_blocks, num_heads, block_size, _ = kv_cache.shape
@@ -104,6 +106,8 @@ def attention_mass(
         key = key.float().repeat_interleave(group, dim=1)  # [n, Hq, D], query head q -> KV head q // group
         value = value.float().repeat_interleave(group, dim=1)
         logits = scale * torch.einsum("qd,nqd->qn", query[i].float(), key)
+        if softcap > 0:
+            logits = softcap * torch.tanh(logits / softcap)
         probs = torch.softmax(logits, dim=-1)  # [Hq, n]
         mass.index_add_(1, slots, probs.view(num_heads, group, count).sum(dim=1))
         if output is not None:

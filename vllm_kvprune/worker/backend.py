@@ -16,18 +16,17 @@ import os
 import time
 
 import torch
-from vllm.forward_context import get_forward_context
-from vllm.v1.attention.backends.cpu_attn import (
+
+from vllm_kvprune import kernels, vllm_hooks
+from vllm_kvprune.config import policy_from_vllm_config
+from vllm_kvprune.engine.spec import KVPruneSpec
+from vllm_kvprune.vllm_hooks import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
     CPUAttentionMetadata,
     CPUAttentionMetadataBuilder,
 )
-
-from vllm_kvprune import kernels
-from vllm_kvprune.config import policy_from_vllm_config
 from vllm_kvprune.worker import runtime
-from vllm_kvprune.worker.positions import rotator_from_model_config
 from vllm_kvprune.worker.head_map import SKIP
 from vllm_kvprune.worker.state import StepPlan
 
@@ -42,16 +41,16 @@ class KVPruneMetadataBuilder(CPUAttentionMetadataBuilder):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.policy_active = policy_from_vllm_config(vllm_config).active
+        # Only the policy's KV-cache group is planned; vLLM's own groups (a hybrid model's
+        # sliding-window layers) are built exactly as vLLM builds them.
+        self.policy_active = policy_from_vllm_config(vllm_config).active and isinstance(kv_cache_spec, KVPruneSpec)
 
     def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False) -> CPUAttentionMetadata:
         worker_state = runtime.worker_state() if self.policy_active else None
-        plan = None
-        if worker_state is not None:
-            query_start_loc = common_attn_metadata.query_start_loc_cpu.numpy()
-            plan = worker_state.plan(query_start_loc[: common_attn_metadata.num_reqs + 1], self.block_size)
-        if plan is None:
+        if worker_state is None or worker_state.dummy_runs:
             return super().build(common_prefix_len, common_attn_metadata, fast_build)
+        query_start_loc = common_attn_metadata.query_start_loc_cpu.numpy()
+        plan = worker_state.plan(query_start_loc[: common_attn_metadata.num_reqs + 1], self.block_size)
         num_tokens = len(plan.slot_mapping)
         # In place: the forward context hands this very tensor to every layer's cache update.
         common_attn_metadata.slot_mapping[:num_tokens].copy_(plan.slot_mapping)
@@ -65,10 +64,17 @@ class KVPruneMetadataBuilder(CPUAttentionMetadataBuilder):
 
 
 def _layer_block_tables(block_table: torch.Tensor, plan: StepPlan, worker_state) -> torch.Tensor | None:
-    """`[layers, rows, cols]`: each layer's block table, rows reordered where its blocks are."""
+    """`[layers, rows, cols]`: each layer's block table, rows reordered where its blocks are.
+
+    Only the columns the kernel reads this step are built (the blocks below the longest
+    physical `seq_len`, and every block a reordered row names: at most a prompt's or a
+    cap's), not vLLM's `max_model_len` width."""
     if not plan.block_orders:
         return None
     num_layers = worker_state.scores.num_layers
+    block_size = worker_state.scores.block_size
+    width = max(-(-int(plan.seq_lens.max()) // block_size), *(int(order.max()) + 1 for _, order in plan.block_orders))
+    block_table = block_table[:, : min(width, block_table.shape[1])]
     columns = torch.arange(block_table.shape[1]).expand(num_layers, block_table.shape[0], -1).clone()
     for row, order in plan.block_orders:
         columns[:, row, : order.shape[1]] = torch.from_numpy(order)
@@ -78,22 +84,8 @@ def _layer_block_tables(block_table: torch.Tensor, plan: StepPlan, worker_state)
 class KVPruneImpl(CPUAttentionBackendImpl):
     """Executes the step plan in one layer around vLLM's CPU kernels."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        from vllm.config import get_current_vllm_config
-
-        # Built now: RoPE modules need the config context that exists only at model build.
-        vllm_config = get_current_vllm_config()
-        policy = policy_from_vllm_config(vllm_config)
-        self._rotator = None
-        if policy.active and policy.positions == "cache":
-            self._rotator = rotator_from_model_config(vllm_config.model_config, self.head_size)
-
     def _plan(self, layer) -> StepPlan | None:
-        attn_metadata = get_forward_context().attn_metadata
-        if not isinstance(attn_metadata, dict):
-            return None
-        return getattr(attn_metadata.get(layer.layer_name), "kvprune_plan", None)
+        return getattr(vllm_hooks.layer_metadata(layer.layer_name), "kvprune_plan", None)
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         plan = self._plan(layer)
@@ -154,7 +146,8 @@ class KVPruneImpl(CPUAttentionBackendImpl):
         query = query[: len(queries.tokens)] if queries.decode_only else query[queries.tokens]
         kernels.attention_mass(query, kv_cache, _layout_of(layer, kv_cache), attn_metadata.block_table,
                                queries.rows, queries.key_counts, self.scale,
-                               worker_state.scores.by_slot[_layer_index(layer)], output)
+                               worker_state.scores.by_slot[_layer_index(layer)], output,
+                               softcap=_softcap(self))
         worker_state.score_seconds += time.perf_counter() - started
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
@@ -228,8 +221,15 @@ class KVPruneImpl(CPUAttentionBackendImpl):
             values.append(sink_values[index])
             shifts.append(torch.full((len(index),), anchor.shift, dtype=torch.int64))
             slots.append(anchor.sink_slots)
-        rotated = self._rotator.rotate(torch.cat(keys), torch.cat(shifts))
+        rotate = runtime.worker_state().sink_rotations[layer.layer_name]
+        rotated = rotate(torch.cat(keys), torch.cat(shifts))
         kernels.write_slots(rotated, torch.cat(values), kv_cache, torch.cat(slots), layout)
+
+
+def _softcap(impl) -> float:
+    """The layer's logit soft-cap (0: none); vLLM's impl stores 0 for none. A bare impl
+    (the worker-level tests drive these methods without vLLM) has none."""
+    return float(getattr(impl, "logits_soft_cap", 0) or 0)
 
 
 def _layer_index(layer) -> int:
@@ -255,11 +255,10 @@ class KVPruneCPUBackend(CPUAttentionBackend):
 
     @classmethod
     def customize_spec(cls, spec):
-        from vllm.v1.kv_cache_interface import FullAttentionSpec
-
-        from vllm_kvprune.engine.spec import KVPruneSpec
+        from vllm_kvprune.vllm_hooks import FullAttentionSpec
 
         # Called by the model runner, outside any config context: ask the runner's state.
+        # Only full attention is capped; any other spec (a sliding window) stays vLLM's.
         worker_state = runtime.worker_state()
         if type(spec) is not FullAttentionSpec or worker_state is None or not worker_state.engine_config.active:
             return spec

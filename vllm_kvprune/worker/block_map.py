@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from vllm_kvprune.worker.slot_map import InvariantError
+
 
 class LayerBlockMap:
     """Per-layer block order of one request whose layers evict different whole blocks.
@@ -24,7 +26,24 @@ class LayerBlockMap:
         self.num_valid = 0
         self.order = np.empty((num_layers, 0), np.int64)
         self.free = np.empty((num_layers, 0), np.int64)
-        self.logical = np.empty((num_layers, 0), np.int64)
+        # None until the first compaction or eviction: every layer then still holds slot
+        # s = position s, which is not stored (a prompt of any length costs nothing here).
+        self._logical: np.ndarray | None = None
+
+    @property
+    def logical(self) -> np.ndarray:
+        """`[layers, slots]`: the position each local slot holds in each layer, -1 if none."""
+        if self._logical is None:
+            width = self.order.shape[1] * self.block_size
+            self._logical = np.where(np.arange(width) < self.num_valid, np.arange(width), -1)
+            self._logical = np.tile(self._logical, (self.num_layers, 1))
+        return self._logical
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this map holds (block orders and, once materialised, positions)."""
+        held = self.order.nbytes + self.free.nbytes
+        return held + (0 if self._logical is None else self._logical.nbytes)
 
     @property
     def num_layers(self) -> int:
@@ -55,8 +74,9 @@ class LayerBlockMap:
             slots[:, done:done + count] = self.order[:, -1:] * self.block_size + offset + np.arange(count)
             self.num_valid += count
             done += count
-        self._grow_logical(int(slots.max()) + 1)
-        self.logical[np.arange(self.num_layers)[:, None], slots] = positions
+        if self._logical is not None:
+            self._grow_logical(int(slots.max()) + 1)
+            self._logical[np.arange(self.num_layers)[:, None], slots] = positions
         return slots
 
     def _open_tail(self) -> None:
@@ -67,13 +87,14 @@ class LayerBlockMap:
         self.order = np.concatenate([self.order, tail], axis=1)
 
     def _grow_logical(self, num_slots: int) -> None:
-        missing = num_slots - self.logical.shape[1]
+        missing = num_slots - self._logical.shape[1]
         if missing > 0:
-            self.logical = np.pad(self.logical, ((0, 0), (0, missing)), constant_values=-1)
+            self._logical = np.pad(self._logical, ((0, 0), (0, missing)), constant_values=-1)
 
     def evict(self, victims: np.ndarray) -> None:
         """Drop the blocks at positions `victims` `[layers, r]` of each layer's order (full
         blocks only); they become free, in the given order, for the next tails."""
+        logical = self.logical  # materialised (if still the identity) before the order changes
         layers = np.arange(self.num_layers)[:, None]
         dropped = self.order[layers, victims]
         keep = np.ones(self.order.shape, bool)
@@ -82,7 +103,7 @@ class LayerBlockMap:
         self.free = np.concatenate([self.free, dropped], axis=1)
         self.num_valid -= victims.shape[1] * self.block_size
         slots = dropped[:, :, None] * self.block_size + np.arange(self.block_size)
-        self.logical[layers[:, :, None], slots] = -1
+        logical[layers[:, :, None], slots] = -1
 
     def compact(self, num_kept: int) -> None:
         """After a prompt is pruned to `num_kept` tokens, in the first blocks of every layer;
@@ -91,15 +112,23 @@ class LayerBlockMap:
         self.order = np.tile(np.arange(num_blocks, dtype=np.int64), (self.num_layers, 1))
         self.free = np.empty((self.num_layers, 0), np.int64)
         self.num_valid = num_kept
+        # The prompt's room is given back: positions for the kept blocks only.
+        self._logical = np.full((self.num_layers, num_blocks * self.block_size), -1, np.int64)
 
     def set_layer_survivors(self, layer: int, positions: np.ndarray) -> None:
-        self.logical[layer] = -1
-        self.logical[layer, : len(positions)] = positions
+        logical = self.logical
+        logical[layer] = -1
+        logical[layer, : len(positions)] = positions
 
     def check(self) -> None:
         for layer in range(self.num_layers):
-            assert not np.intersect1d(self.order[layer], self.free[layer]).size, "a block is both used and free"
-            held = self.logical[layer][self.logical[layer] >= 0]
-            assert len(np.unique(held)) == len(held), "a logical token is mapped twice"
+            if np.intersect1d(self.order[layer], self.free[layer]).size:
+                raise InvariantError("a block is both used and free")
+            if self._logical is None:
+                continue  # the identity: every slot holds its own position, once
+            held = self._logical[layer][self._logical[layer] >= 0]
+            if len(np.unique(held)) != len(held):
+                raise InvariantError("a logical token is mapped twice")
         expected_blocks = -(-self.num_valid // self.block_size)
-        assert self.order.shape[1] == expected_blocks, "blocks in use do not match the tokens held"
+        if self.order.shape[1] != expected_blocks:
+            raise InvariantError("blocks in use do not match the tokens held")

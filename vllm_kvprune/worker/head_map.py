@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from vllm_kvprune.worker.slot_map import InvariantError
+
 SKIP = -1  # a move whose destination is SKIP does nothing (the kernels' convention)
 
 
@@ -16,29 +18,58 @@ class HeadSlotMap:
     - every (layer, head) holds exactly the slots [0, num_valid) (no holes: the kernel
       attends every slot below seq_len);
     - no (layer, head) holds a position twice.
+
+    Memory follows the cap, not the longest sequence: until the first eviction every head
+    holds slot s = position s, which is not stored at all (a prompt of any length costs
+    nothing here); after it the table has room for about twice the tokens held, and a
+    pruned prompt gives its room back.
     """
 
     def __init__(self, num_layers: int, num_heads: int) -> None:
-        # Room to grow: a decode step appends one slot to every head, without reallocating.
-        self._held = np.empty((num_layers, num_heads, 64), np.int64)
+        self._shape = (num_layers, num_heads)
+        # None while every head holds the identity (slot s = position s).
+        self._held: np.ndarray | None = None
         self.num_valid = 0
 
     @property
     def logical(self) -> np.ndarray:
         """`[layers, heads, num_valid]`, a view (writes land in the map)."""
+        self._materialize()
         return self._held[:, :, : self.num_valid]
 
     @property
     def num_layers(self) -> int:
-        return self._held.shape[0]
+        return self._shape[0]
+
+    @property
+    def num_heads(self) -> int:
+        return self._shape[1]
+
+    @property
+    def is_identity(self) -> bool:
+        """Whether every head still holds slot s = position s (nothing evicted yet)."""
+        return self._held is None
+
+    def _materialize(self, capacity: int = 0) -> None:
+        if self._held is None:
+            self._held = np.empty((*self._shape, max(64, capacity, 2 * self.num_valid)), np.int64)
+            self._held[:, :, : self.num_valid] = np.arange(self.num_valid)
+
+    def _reserve(self, num_slots: int) -> None:
+        """Room for `num_slots` slots per head (doubling, so a decode step rarely copies)."""
+        if num_slots > self._held.shape[2]:
+            grown = np.empty((*self._shape, max(num_slots, 2 * self._held.shape[2])), np.int64)
+            grown[:, :, : self.num_valid] = self._held[:, :, : self.num_valid]
+            self._held = grown
 
     def append(self, positions: np.ndarray) -> np.ndarray:
         """New tokens in the next slots, the same ones for every head; returns them `[q]`."""
         start, stop = self.num_valid, self.num_valid + len(positions)
-        if stop > self._held.shape[2]:
-            grown = np.empty((*self._held.shape[:2], max(stop, 2 * self._held.shape[2])), np.int64)
-            grown[:, :, :start] = self.logical
-            self._held = grown
+        if self._held is None and np.array_equal(positions, np.arange(start, stop)):
+            self.num_valid = stop  # still the identity
+            return np.arange(start, stop, dtype=np.int64)
+        self._materialize(stop)
+        self._reserve(stop)
         self._held[:, :, start:stop] = positions
         self.num_valid = stop
         return np.arange(start, stop, dtype=np.int64)
@@ -50,43 +81,71 @@ class HeadSlotMap:
         Returns the new token's slot per head `[layers, heads]` and the moves to apply before
         writing it, `[layers, r - 1, heads]` sources and destinations (SKIP where a head has
         fewer to move). With one victim nothing moves; with more (lazy pruning) survivors past
-        the new end of the prefix fill the other holes.
+        the new end of the prefix fill the other holes, in slot order: the k-th hole below the
+        new end takes the k-th survivor past it (every head at once, no loop over heads).
         """
+        self._materialize()
         num_layers, num_heads, count = victims.shape
         new_valid = self.num_valid - count + 1
+        layers = np.arange(num_layers)[:, None]
+        heads = np.arange(num_heads)
         if count == 1:
             new_slots = victims[:, :, 0].copy()
-            self._held[np.arange(num_layers)[:, None], np.arange(num_heads), new_slots] = position
-            return new_slots, np.empty((num_layers, 0, num_heads), np.int64), np.empty((num_layers, 0, num_heads), np.int64)
-        new_slots = np.empty((num_layers, num_heads), np.int64)
-        sources = np.full((num_layers, count - 1, num_heads), SKIP, np.int64)
-        destinations = np.full_like(sources, SKIP)
-        for layer in range(num_layers):
-            for head in range(num_heads):
-                logical = self._held[layer, head]
-                is_victim = np.zeros(self.num_valid, bool)
-                is_victim[victims[layer, head]] = True
-                holes = np.flatnonzero(is_victim[:new_valid])
-                stranded = np.flatnonzero(~is_victim[new_valid:]) + new_valid
-                new_slots[layer, head] = holes[0]
-                logical[holes[1:]] = logical[stranded]
-                logical[holes[0]] = position
-                sources[layer, : len(stranded), head] = stranded
-                destinations[layer, : len(stranded), head] = holes[1:]
+            self._held[layers, heads, new_slots] = position
+            empty = np.empty((num_layers, 0, num_heads), np.int64)
+            return new_slots, empty, empty.copy()
+        is_victim = np.zeros((num_layers, num_heads, self.num_valid), bool)
+        is_victim[layers[:, :, None], heads[None, :, None], victims] = True
+        # Holes below the new end, lowest first: as many per head as survivors stranded past it
+        # plus one (the new token's slot).
+        below = is_victim[:, :, :new_valid]
+        stranded = ~is_victim[:, :, new_valid:]
+        hole_slots = _first_true_slots(below, count)  # [L, H, count], SKIP past the holes
+        stranded_slots = _first_true_slots(stranded, count - 1) + new_valid  # [L, H, count-1]
+        num_stranded = stranded.sum(axis=2)  # == holes below - 1, per head
+        new_slots = hole_slots[:, :, 0]
+        fills = np.arange(count - 1) < num_stranded[:, :, None]  # [L, H, count-1]
+        sources = np.where(fills, stranded_slots, SKIP)
+        destinations = np.where(fills, hole_slots[:, :, 1:], SKIP)
+        moved_layer, moved_head, moved = np.nonzero(fills)
+        held = self._held
+        held[moved_layer, moved_head, destinations[fills]] = held[moved_layer, moved_head, sources[fills]]
+        held[layers, heads, new_slots] = position
         self.num_valid = new_valid
-        return new_slots, sources, destinations
+        return new_slots, sources.transpose(0, 2, 1).copy(), destinations.transpose(0, 2, 1).copy()
 
     def truncate(self, num_kept: int) -> None:
         """A prompt is being pruned to `num_kept` tokens per head; `set_layer_survivors`
-        then records which ones each layer's heads kept."""
+        then records which ones each layer's heads kept. The prompt's room is given back."""
         self.num_valid = num_kept
-        self.logical[:] = SKIP
+        self._held = np.full((*self._shape, max(64, 2 * num_kept)), SKIP, np.int64)
 
     def set_layer_survivors(self, layer: int, positions: np.ndarray) -> None:
         """`positions` `[heads, num_valid]`: what layer `layer`'s heads hold, slot by slot."""
+        self._materialize()
         self._held[layer, :, : self.num_valid] = positions
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes this map holds (its table; nothing while it is the identity)."""
+        return 0 if self._held is None else self._held.nbytes
+
     def check(self) -> None:
+        if self._held is None:
+            return  # the identity: every slot holds its own position, once
         ordered = np.sort(self.logical, axis=2)
-        assert (ordered >= 0).all(), "a slot below num_valid holds no token"
-        assert (np.diff(ordered, axis=2) > 0).all(), "a logical token is mapped twice in one head"
+        if not (ordered >= 0).all():
+            raise InvariantError("a slot below num_valid holds no token")
+        if not (np.diff(ordered, axis=2) > 0).all():
+            raise InvariantError("a logical token is mapped twice in one head")
+
+
+def _first_true_slots(mask: np.ndarray, count: int) -> np.ndarray:
+    """Indices of the first `count` True entries along the last axis, `[..., count]`, in
+    order; SKIP where a row has fewer."""
+    rank = np.cumsum(mask, axis=-1) - 1  # rank of each True among its row's Trues
+    take = mask & (rank < count)
+    out = np.full((*mask.shape[:-1], count), SKIP, np.int64)
+    index = np.nonzero(take)
+    out[(*index[:-1], rank[take])] = index[-1]
+    return out

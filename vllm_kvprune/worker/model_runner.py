@@ -2,47 +2,88 @@
 
 from __future__ import annotations
 
-from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-
+from vllm_kvprune import vllm_hooks
 from vllm_kvprune.config import policy_from_vllm_config
+from vllm_kvprune.engine.spec import KVPruneSpec
+from vllm_kvprune.vllm_hooks import CPUModelRunner
 from vllm_kvprune.worker import runtime
+from vllm_kvprune.worker.features import LayerFeatures, UnsupportedModelError, refusal
+from vllm_kvprune.worker.positions import sink_rotation
 from vllm_kvprune.worker.state import StepRows, WorkerKVState
 
 
 class KVPruneCPUModelRunner(CPUModelRunner):
-    """`CPUModelRunner` that publishes each step's rows and forgets finished requests."""
+    """`CPUModelRunner` that checks the model's attention against the policy, publishes
+    each step's rows and forgets finished requests."""
 
     def __init__(self, vllm_config, device) -> None:
         super().__init__(vllm_config, device)
         self.kv_state = WorkerKVState(policy_from_vllm_config(vllm_config))
         runtime.install(self.kv_state)
+        # The KV-cache group whose layers the policy prunes (its block table is the one planned).
+        self.policy_group: int | None = None
+
+    def load_model(self, *args, **kwargs) -> None:
+        super().load_model(*args, **kwargs)
+        if self.kv_state.policy is not None:
+            self._check_attention_features()
+
+    def _check_attention_features(self) -> None:
+        """Refuse, in one line, a model whose attention the policy cannot honour; keep each
+        pruned layer's RoPE for `positions: cache`."""
+        config = self.kv_state.engine_config
+        layers = [LayerFeatures.of(name, module) for name, module in vllm_hooks.attention_layers(self.vllm_config).items()]
+        if not layers:
+            raise UnsupportedModelError(f"{config.name}: the model has no attention layer to prune")
+        rotations = {}
+
+        def rope_ok(layer_name: str) -> str | None:
+            rotations[layer_name], why = sink_rotation(self.model, layer_name)
+            return why
+
+        problem = refusal(config, layers, rope_ok)
+        if problem is not None:
+            raise UnsupportedModelError(problem)
+        self.kv_state.sink_rotations = rotations
 
     def initialize_kv_cache(self, kv_cache_config, *args, **kwargs) -> None:
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
         if self.kv_state.policy is None:
             return
-        [group] = kv_cache_config.kv_cache_groups  # one full-attention group with a policy
+        groups = [index for index, group in enumerate(kv_cache_config.kv_cache_groups)
+                  if isinstance(group.kv_cache_spec, KVPruneSpec)]
+        if len(groups) != 1:
+            names = [list(kv_cache_config.kv_cache_groups[i].layer_names)[0] for i in groups]
+            raise UnsupportedModelError(
+                f"{self.kv_state.engine_config.name}: KV-cache groups: the pruned layers fall into "
+                f"{len(groups)} groups (first layers {names}); exactly one is supported")
+        self.policy_group = groups[0]
+        group = kv_cache_config.kv_cache_groups[self.policy_group]
         spec = group.kv_cache_spec
         self.kv_state.bind_cache(list(group.layer_names), kv_cache_config.num_blocks, spec.block_size,
                                  self.model_config.get_total_num_kv_heads(), spec.num_kv_heads)
 
     def _update_states(self, scheduler_output):
         # A preempted request lost its blocks; it re-prefills from scratch when resumed.
-        for request_id in (*scheduler_output.finished_req_ids, *(scheduler_output.preempted_req_ids or ())):
+        for request_id in vllm_hooks.ended_requests(scheduler_output):
             self.kv_state.drop(request_id)
         return super()._update_states(scheduler_output)
 
+    def _dummy_run(self, *args, **kwargs):
+        # Profiling and warm-up batches have no requests behind their rows: not planned.
+        self.kv_state.dummy_runs += 1
+        try:
+            return super()._dummy_run(*args, **kwargs)
+        finally:
+            self.kv_state.dummy_runs -= 1
+
     def _build_attention_metadata(self, num_tokens, num_reqs, max_query_len, *args, **kwargs):
-        batch = self.input_batch
-        req_ids = [rid for rid in batch.req_ids[:num_reqs] if rid is not None]
-        self.kv_state.rows = StepRows(
-            req_ids=req_ids,
-            num_computed=batch.num_computed_tokens_cpu[:num_reqs],
-            num_prompt=batch.num_prompt_tokens[:num_reqs],
-            block_rows=batch.block_table[0].block_table.np[:num_reqs],
-            extra_args=[self.requests[rid].sampling_params.extra_args if rid in self.requests
-                        and self.requests[rid].sampling_params else None for rid in req_ids],
-        )
+        if self.policy_group is None or self.kv_state.dummy_runs:
+            return super()._build_attention_metadata(num_tokens, num_reqs, max_query_len, *args, **kwargs)
+        req_ids, num_computed, num_prompt, block_rows, extra_args = vllm_hooks.batch_rows(
+            self, num_reqs, self.policy_group)
+        self.kv_state.rows = StepRows(req_ids=req_ids, num_computed=num_computed, num_prompt=num_prompt,
+                                      block_rows=block_rows, extra_args=extra_args)
         try:
             return super()._build_attention_metadata(num_tokens, num_reqs, max_query_len, *args, **kwargs)
         finally:

@@ -6,45 +6,31 @@ difference of original positions (the window is contiguous), so only the sinks d
 sink j must look as if it sat at position j + shift, where shift is the number of tokens
 evicted so far. RoPE is a rotation, R(j + shift) = R(shift) R(j), so rotating the sink's
 original key forward by `shift` gives exactly that, with no re-rotation of the window.
+
+The rotation is the layer's own: the rotary embedding vLLM built for that layer (its
+style, NeoX or GPT-J, its rotary dimension for partial-rotary models, its scaling, and
+its base, which differs between a hybrid model's local and global layers), with its
+cos/sin table recomputed in fp32.
 """
 
 from __future__ import annotations
 
-from functools import lru_cache
+from collections.abc import Callable
 
 import torch
 
+from vllm_kvprune import vllm_hooks
 
-class SinkRotator:
-    """Rotates cached post-RoPE keys forward by a number of positions, with the model's RoPE."""
-
-    def __init__(self, head_size: int, max_position: int, rope_parameters: dict | None,
-                 is_neox_style: bool = True) -> None:
-        from vllm.model_executor.layers.rotary_embedding import get_rope
-
-        self.rope = get_rope(head_size, max_position=max_position, rope_parameters=rope_parameters,
-                             is_neox_style=is_neox_style, dtype=torch.float32)
-
-    def rotate(self, keys: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
-        """keys [n, H, D] rotated by shifts [n] positions (computed in fp32)."""
-        num_tokens = keys.shape[0]
-        rotated, _ = self.rope.forward_native(shifts.to(torch.int64), keys.float().reshape(num_tokens, -1).clone())
-        return rotated.view_as(keys).to(keys.dtype)
+Rotation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-@lru_cache(maxsize=4)
-def rotator_for(head_size: int, max_position: int, rope_key: tuple | None) -> SinkRotator:
-    rope_parameters = dict(rope_key) if rope_key is not None else None
-    return SinkRotator(head_size, max_position, rope_parameters)
-
-
-def rotator_from_model_config(model_config, head_size: int) -> SinkRotator:
-    """The rotator matching the served model's RoPE (Llama-style neox rotation)."""
-    hf_config = model_config.hf_text_config
-    rope_parameters = getattr(hf_config, "rope_parameters", None)
-    rope_key = None
-    if rope_parameters:
-        rope_key = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in rope_parameters.items()))
-    # Shifts never exceed the logical length, which vLLM bounds by max_model_len.
-    max_position = max(getattr(hf_config, "max_position_embeddings", 0), model_config.max_model_len)
-    return rotator_for(head_size, max_position, rope_key)
+def sink_rotation(model: torch.nn.Module, layer_name: str) -> tuple[Rotation | None, str | None]:
+    """(rotate(keys [n, H, D], shifts [n]), None) for the attention layer `layer_name`, or
+    (None, why) when its RoPE cannot be found or is not a plain rotation."""
+    rope = vllm_hooks.layer_rope(model, layer_name)
+    if rope is None:
+        return None, "no rotary embedding found"
+    rotation = vllm_hooks.rope_rotation(rope)
+    if rotation is None:
+        return None, f"{type(rope).__name__}"
+    return rotation, None

@@ -8,6 +8,10 @@ Moves = tuple[np.ndarray, np.ndarray]  # (source slot indices, destination slot 
 NO_MOVES: Moves = (np.empty(0, np.int64), np.empty(0, np.int64))
 
 
+class InvariantError(RuntimeError):
+    """A slot map broke one of its invariants: a bug in the plugin, never a user error."""
+
+
 class SlotMap:
     """Physical slot -> logical position for one request (all layers of a layer-uniform policy).
 
@@ -59,4 +63,5 @@ class SlotMap:
         return new_slot, (sources, destinations)
 
     def check(self) -> None:
-        assert len(np.unique(self.logical)) == self.num_valid, "a logical token is mapped twice"
+        if len(np.unique(self.logical)) != self.num_valid:
+            raise InvariantError("a logical token is mapped twice")

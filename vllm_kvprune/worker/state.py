@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -154,11 +155,9 @@ class HeadMass:
 
 def _sum_over_ranks(local_sums: torch.Tensor) -> torch.Tensor:
     """Add up what each tensor-parallel rank scored over its own KV heads."""
-    from vllm.distributed import parallel_state
+    from vllm_kvprune import vllm_hooks
 
-    if not parallel_state.model_parallel_is_initialized():
-        return local_sums  # no engine around this worker state (unit use)
-    return parallel_state.get_tp_group().all_reduce(local_sums)
+    return vllm_hooks.tp_all_reduce(local_sums)
 
 
 @dataclass
@@ -186,6 +185,10 @@ class WorkerKVState:
         # benchmarks.
         self.plan_seconds = 0.0
         self.score_seconds = 0.0
+        # > 0 while the runner runs a profiling or warm-up batch (no requests: not planned).
+        self.dummy_runs = 0
+        # Layer name -> rotate(keys, shifts) with that layer's own RoPE (`positions: cache`).
+        self.sink_rotations: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {}
 
     def bind_cache(self, layer_names: list[str], num_blocks: int, block_size: int, total_kv_heads: int,
                    local_kv_heads: int | None = None) -> None:
@@ -199,6 +202,17 @@ class WorkerKVState:
 
     def drop(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
+
+    def held_bytes(self) -> int:
+        """Bytes of per-request state (slot maps, sink keys): it follows each request's cap,
+        not its longest sequence (the score tables are sized by the pool, once)."""
+        total = 0
+        for state in self.requests.values():
+            total += state.slots.logical.nbytes
+            total += state.heads.nbytes if state.heads is not None else 0
+            total += state.blocks.nbytes if state.blocks is not None else 0
+            total += sum(k.nbytes + v.nbytes for k, v in state.sink_kv.values())
+        return total
 
     def _state_for(self, request_id: str, num_computed: int, extra_args: dict | None) -> RequestKVState:
         state = self.requests.get(request_id)
@@ -216,11 +230,15 @@ class WorkerKVState:
     def plan(self, query_start_loc: np.ndarray, block_size: int) -> StepPlan | None:
         """The physical plan of the step whose rows were published by the runner."""
         rows = self.rows
-        if rows is None or not self.engine_config.active:
+        if not self.engine_config.active:
             return None
         num_reqs = len(query_start_loc) - 1
-        if len(rows.req_ids) < num_reqs:
-            return None  # a dummy (profiling) batch: no real requests behind the rows
+        if rows is None or len(rows.req_ids) != num_reqs:
+            # An active policy never runs a step unplanned: the kernel would read and write
+            # logical slots of blocks the request no longer holds.
+            raise PlanningError(
+                f"kvprune: a step of {num_reqs} rows is being built, but the runner published "
+                f"{'no rows' if rows is None else f'{len(rows.req_ids)} requests'} for it")
         started = time.perf_counter()
         builder = _PlanBuilder(block_size, self.scores)
         for row in range(num_reqs):
@@ -285,7 +303,7 @@ class _PlanBuilder:
             if config.prefill == "full" and num_computed + num_new == num_prompt:
                 post = evict_for(state, 1)
         else:
-            assert num_new == 1, "a bounded request runs one token per step past its prompt"
+            _require_one_token(num_new)
             if config.evicts_before(slots.num_valid, 1):
                 kept_before_new = config.budget - 1
                 victims = state.policy.victims(slots.logical, slots.num_valid + 1 - config.budget, config)
@@ -333,10 +351,10 @@ class _PlanBuilder:
         full, every head evicts its own lowest-mass tokens and the new token takes one of
         their slots in that head (EQUIP, per head)."""
         config, heads = state.config, state.heads
-        num_layers, num_heads = heads.logical.shape[:2]
+        num_layers, num_heads = heads.num_layers, heads.num_heads
         kept_before_new = heads.num_valid
         if num_computed >= num_prompt:
-            assert num_new == 1, "a bounded request runs one token per step past its prompt"
+            _require_one_token(num_new)
         if num_computed >= num_prompt and config.evicts_before(heads.num_valid, 1):
             local = self._replace_per_head(state, num_computed, block_row)
             kept_before_new = config.budget - 1
@@ -352,7 +370,7 @@ class _PlanBuilder:
                 heads.truncate(config.budget - 1)
         self.head_slots.append(self._global(block_row, local))
         self.seq_lens.append(kept_before_new + num_new)
-        if DEBUG and not (heads.logical == SKIP).any():  # a pruned prompt is checked next step
+        if DEBUG and (heads.is_identity or not (heads.logical == SKIP).any()):  # a pruned prompt: next step
             heads.check()
 
     def _replace_per_head(self, state: RequestKVState, num_computed: int, block_row: np.ndarray) -> np.ndarray:
@@ -434,6 +452,17 @@ class _PlanBuilder:
             mass_queries=MassQueries(tokens=queries[0], rows=queries[1], key_counts=queries[2],
                                      decode_only=self.decode_only),
         )
+
+
+class PlanningError(RuntimeError):
+    """A step the worker cannot map onto physical slots: a broken contract with the
+    scheduler or the runner, never silently run as if no policy were on."""
+
+
+def _require_one_token(num_new: int) -> None:
+    if num_new != 1:
+        raise PlanningError(f"kvprune: a bounded request runs one token per step past its prompt, got {num_new} "
+                            "(the scheduler's step rule, KVPruneScheduler._reserve_prefill_lookahead)")
 
 
 def evict_for(state: RequestKVState, num_incoming: int) -> Moves:

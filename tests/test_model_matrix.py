@@ -1,0 +1,146 @@
+"""The supported-model matrix (docs/MODELS.md), on tiny random models of each architecture
+(`vllm_kvprune.model_zoo`): every (architecture, policy) pair either serves exactly what
+`none` serves while nothing is evicted, and matches the reference implementation with
+eviction where the reference covers the architecture, or refuses at start-up with one line
+naming the policy, the feature and a layer. No crash, no silent difference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import engine, scheduler_of
+from test_streaming_engine import all_blocks_free, assert_same_as, greedy, prompts
+
+POLICIES = {
+    "streaming": {"name": "streaming", "budget": 64, "sinks": 4},
+    "streaming-cache": {"name": "streaming", "budget": 64, "sinks": 4, "positions": "cache"},
+    "h2o": {"name": "h2o", "budget": 64, "sinks": 2},
+    "paged_eviction": {"name": "paged_eviction", "budget": 128, "sinks": 4},
+}
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi", "llama3", "gptj", "cohere", "mistral", "gemma2", "gemma3",
+                 "bloom", "gptoss", "llama-fp8")
+# (architecture, policy) -> the feature named in the start-up refusal.
+REFUSED = {
+    **{("mistral", policy): "sliding-window attention" for policy in POLICIES},
+    **{("bloom", policy): "ALiBi" for policy in POLICIES},
+    **{("llama-fp8", policy): "KV cache dtype fp8" for policy in POLICIES},
+    ("gptoss", "h2o"): "attention sinks",
+    # Phi runs on vLLM's Transformers backend: transformers applies its (partial) RoPE, so no
+    # rotation of vLLM's can re-anchor the sinks.
+    ("phi", "streaming-cache"): "positions: cache with no rotary embedding found",
+}
+# Architectures whose decoder the reference forward implements (Llama-style: RMSNorm, q/k/v/o
+# projections with or without bias, optional q/k norms, NeoX RoPE with the model's scaling).
+REFERENCE_COVERS = ("llama", "qwen2", "qwen3", "llama3")
+PROMPT_LENGTHS = (40, 150)
+NUM_TOKENS = 96
+NOTHING_EVICTED = {"kv_budget": 1024}
+
+
+def model_dir(architecture: str) -> str:
+    from vllm_kvprune import assets
+    from vllm_kvprune.model_zoo import zoo_model_dir
+
+    return str(assets.tiny_model_dir() if architecture == "llama" else zoo_model_dir(architecture))
+
+
+def engine_args(architecture: str) -> dict:
+    from vllm_kvprune.model_zoo import ZOO
+
+    return dict(ZOO[architecture].engine_args) if architecture in ZOO else {}
+
+
+def zoo_engine(architecture: str, policy: dict | None):
+    return engine(model_dir(architecture), policy, kv_blocks=256, **engine_args(architecture))
+
+
+_none_outputs: dict[str, list] = {}
+
+
+def none_outputs(architecture: str) -> list:
+    """What plain vLLM serves for the matrix prompts (one engine per architecture)."""
+    if architecture not in _none_outputs:
+        with zoo_engine(architecture, None) as llm:
+            _none_outputs[architecture] = llm.generate(
+                [{"prompt_token_ids": p} for p in prompts(PROMPT_LENGTHS)], greedy(NUM_TOKENS), use_tqdm=False)
+    return _none_outputs[architecture]
+
+
+def reference_for(architecture: str, policy: dict):
+    from vllm_kvprune.config import KVPolicyConfig
+    from vllm_kvprune.reference.h2o import H2OReference
+    from vllm_kvprune.reference.model import load_reference_model
+    from vllm_kvprune.reference.paged_eviction import PagedEvictionReference
+    from vllm_kvprune.reference.streaming import StreamingLLMReference
+
+    model = load_reference_model(model_dir(architecture))
+    config = KVPolicyConfig.from_dict(policy)
+    if config.name == "streaming":
+        return StreamingLLMReference(model, budget=config.budget, sinks=config.sinks, positions=config.positions)
+    if config.name == "h2o":
+        return H2OReference(model, budget=config.budget, recent=config.recent_size, sinks=config.sinks)
+    return PagedEvictionReference(model, budget=config.budget, block_size=32, sinks=config.sinks)
+
+
+def assert_same_tokens(outputs, expected) -> None:
+    for output, wanted in zip(outputs, expected):
+        got, want = output.outputs[0], wanted.outputs[0]
+        assert list(got.token_ids) == list(want.token_ids)
+        logprobs = [got.logprobs[i][t].logprob for i, t in enumerate(got.token_ids)]
+        wanted_logprobs = [want.logprobs[i][t].logprob for i, t in enumerate(want.token_ids)]
+        assert np.max(np.abs(np.array(logprobs) - np.array(wanted_logprobs))) < 1e-3
+
+
+def assert_policy_group_capped(llm, policy: dict) -> None:
+    """Past its prompt a request holds at most its cap in the policy's own KV-cache group
+    (a hybrid model's sliding-window groups are vLLM's)."""
+    from vllm_kvprune.config import KVPolicyConfig
+    from vllm_kvprune.engine.manager import KVPruneManager
+
+    scheduler = scheduler_of(llm)
+    cap = KVPolicyConfig.from_dict(policy).cap_blocks(32)
+    for request in scheduler.running:
+        if request.num_computed_tokens > request.num_prompt_tokens:
+            for manager in scheduler.kvprune_managers:
+                assert isinstance(manager, KVPruneManager)
+                held = [b for b in manager.req_to_blocks.get(request.request_id, ()) if not b.is_null]
+                assert len(held) <= cap
+
+
+CASES = [(architecture, policy) for architecture in ARCHITECTURES for policy in POLICIES]
+
+
+@pytest.mark.parametrize("architecture, policy_name", CASES, ids=[f"{a}-{p}" for a, p in CASES])
+def test_matrix(architecture: str, policy_name: str) -> None:
+    from vllm_kvprune.worker.features import UnsupportedModelError
+
+    policy = POLICIES[policy_name]
+    refused = REFUSED.get((architecture, policy_name))
+    if refused is not None:
+        with pytest.raises(UnsupportedModelError) as error:
+            with zoo_engine(architecture, policy):
+                pass
+        message = str(error.value)
+        assert "\n" not in message
+        assert message.startswith(f"{policy['name']}: {refused} (") and ") is not supported" in message
+        return
+    expected = none_outputs(architecture)
+    prompt_ids = prompts(PROMPT_LENGTHS)
+    inputs = [{"prompt_token_ids": p} for p in prompt_ids]
+    with zoo_engine(architecture, policy) as llm:
+        unpruned = llm.generate(inputs, greedy(NUM_TOKENS, **NOTHING_EVICTED), use_tqdm=False)
+        pruned = []
+        for prompt in inputs:  # step by step, checking the cap of the policy's group
+            llm.llm_engine.add_request(str(len(pruned)), prompt, greedy(NUM_TOKENS))
+            while llm.llm_engine.has_unfinished_requests():
+                finished = [output for output in llm.llm_engine.step() if output.finished]
+                assert_policy_group_capped(llm, policy)
+                pruned.extend(finished)
+        assert all_blocks_free(llm)
+    assert_same_tokens(unpruned, expected)
+    if architecture in REFERENCE_COVERS:
+        assert_same_as(reference_for(architecture, policy), pruned, prompt_ids, NUM_TOKENS)
+    else:
+        assert any(list(p.outputs[0].token_ids) != list(e.outputs[0].token_ids) for p, e in zip(pruned, expected)), \
+            "the budget was meant to evict"

@@ -1,0 +1,107 @@
+"""What each policy honours of a model's attention, layer by layer; the rest refuses at start-up.
+
+The worker reads every attention layer as vLLM built it (its impl's window, soft-cap, ALiBi,
+sinks, cache dtype, attention type, KV sharing, and the RoPE the layer applies) and decides
+once, before the KV cache exists:
+
+| feature                         | streaming          | paged_eviction     | h2o                |
+|---------------------------------|--------------------|--------------------|--------------------|
+| sliding-window layer            | left to vLLM       | left to vLLM       | left to vLLM       |
+| every layer sliding-window      | refused            | refused            | refused            |
+| logit soft-capping              | yes (vLLM kernel)  | yes (vLLM kernel)  | yes (our kernel)   |
+| attention sinks (learned)       | yes (vLLM kernel)  | yes (vLLM kernel)  | refused            |
+| ALiBi                           | refused            | refused            | refused            |
+| fp8 KV cache                    | refused            | refused            | refused            |
+| non-decoder attention, KV reuse | refused            | refused            | refused            |
+| `positions: cache`              | the layer's own RoPE if plain (any style, partial, scaled), else refused | - | - |
+
+Why: the policies reorder a request's slots (EQUIP), so everything vLLM's kernel derives
+from a key's slot index is wrong after an eviction: a sliding window (physical distance) and
+ALiBi (physical distance) are; soft-capping and learned sinks are not (per logit, per head),
+and vLLM's kernel applies them. `h2o`'s decode attention runs in our mass kernel, which
+implements soft-capping but not sinks. Our slot kernels move K/V in the model dtype, not fp8
+with scales. Sliding-window layers of a hybrid model (Gemma 2/3) keep vLLM's own cache and
+manager: the policy prunes the full-attention layers, which is where the memory goes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from vllm_kvprune.config import KVPolicyConfig
+
+
+class UnsupportedModelError(RuntimeError):
+    """A policy cannot honour a feature of the model's attention; the message is one line."""
+
+
+@dataclass(frozen=True)
+class LayerFeatures:
+    """The attention features of one layer, as vLLM built it."""
+
+    name: str
+    sliding_window: int | None
+    softcap: float
+    alibi: bool
+    sinks: bool
+    kv_cache_dtype: str
+    attn_type: str
+    shares_kv: bool
+
+    @classmethod
+    def of(cls, name: str, attention: Any) -> "LayerFeatures":
+        impl = attention.impl
+        window = getattr(impl, "sliding_window", None)
+        return cls(
+            name=name,
+            sliding_window=None if window in (None, -1) else int(window),
+            softcap=float(getattr(impl, "logits_soft_cap", 0) or 0),
+            alibi=getattr(impl, "alibi_slopes", None) is not None,
+            sinks=getattr(impl, "sinks", None) is not None,
+            kv_cache_dtype=str(getattr(impl, "kv_cache_dtype", "auto")),
+            attn_type=str(getattr(getattr(impl, "attn_type", "decoder"), "value", getattr(impl, "attn_type", "decoder"))),
+            shares_kv=getattr(impl, "kv_sharing_target_layer_name", None) is not None,
+        )
+
+    @property
+    def pruned(self) -> bool:
+        """Whether the policy prunes this layer (sliding-window layers stay vLLM's)."""
+        return self.sliding_window is None
+
+
+def refusal(config: KVPolicyConfig, layers: list[LayerFeatures],
+            rope_ok: Callable[[str], str | None] | None = None) -> str | None:
+    """Why `config`'s policy cannot run on these layers (one line), or None.
+
+    `rope_ok(layer_name)` says why the layer's RoPE cannot re-anchor sinks (None: it can);
+    it is asked only for `positions: cache`.
+    """
+    policy = config.name
+    if not config.active:
+        return None
+
+    def refused(feature: str, layer: LayerFeatures, remedy: str = "") -> str:
+        return f"{policy}: {feature} ({layer.name}) is not supported" + (f"; {remedy}" if remedy else "")
+
+    for layer in layers:
+        if layer.attn_type != "decoder":
+            return refused(f"{layer.attn_type} attention", layer)
+        if layer.shares_kv:
+            return refused("KV cache shared across layers", layer)
+        if layer.kv_cache_dtype != "auto":
+            return refused(f"KV cache dtype {layer.kv_cache_dtype}", layer, "use --kv-cache-dtype auto")
+        if layer.alibi:
+            return refused("ALiBi", layer, "its biases follow slot order, which eviction changes")
+        if layer.sinks and policy == "h2o":
+            return refused("attention sinks", layer, "use streaming or paged_eviction")
+    pruned = [layer for layer in layers if layer.pruned]
+    if not pruned:
+        return refused("sliding-window attention", layers[0],
+                       "every layer has a window, so there is no full-attention layer to prune")
+    if config.positions == "cache" and rope_ok is not None:
+        for layer in pruned:
+            why = rope_ok(layer.name)
+            if why is not None:
+                return refused(f"positions: cache with {why}", layer, "use positions: original")
+    return None
