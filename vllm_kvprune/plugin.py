@@ -54,6 +54,7 @@ def register() -> None:
     if _installed:
         return
     _installed = True
+    _log_like_vllm()
     try:
         problem = vllm_hooks.version_problem()
         if problem is not None:
@@ -72,6 +73,16 @@ def register() -> None:
             "vllm-kvprune failed to install into vLLM; every KV policy other than 'none' "
             "will refuse to start until this is fixed"
         )
+
+
+def _log_like_vllm() -> None:
+    """Our log lines go where vLLM's go, in its format and at its level."""
+    vllm_logger = logging.getLogger("vllm")
+    if vllm_logger.handlers and not logger.handlers:
+        for handler in vllm_logger.handlers:
+            logger.addHandler(handler)
+        logger.setLevel(vllm_logger.level)
+        logger.propagate = False
 
 
 def require_installed(where: str) -> None:

@@ -152,6 +152,8 @@ HOOKS: tuple[Hook, ...] = (
     Hook("read", f"{_CPU_ATTN}:CPUAttentionMetadata", "physical lengths and tables",
          attributes=("seq_lens", "block_table", "max_seq_len")),
     Hook("read", f"{_CPU_ATTN}:_get_attn_isa", "the cache layout's ISA", ("dtype", "block_size", "head_size")),
+    Hook("read", "vllm._custom_ops:cpu_attn_reshape_and_cache", "probes the cache layout by writing through it",
+         ("key", "value", "key_cache", "value_cache", "slot_mapping", "isa")),
     Hook("read", "vllm.v1.attention.backend:CommonAttentionMetadata", "the logical step",
          attributes=("slot_mapping", "seq_lens", "query_start_loc_cpu", "num_reqs", "block_table_tensor")),
     Hook("patch", "vllm.v1.attention.backends.registry:register_backend", "overrides CPU_ATTN",
@@ -532,6 +534,16 @@ def rope_rotation(rope: Any) -> Callable[[Any, Any], Any] | None:
         return rotated.view_as(keys).to(keys.dtype)
 
     return rotate
+
+
+def attention_isa(dtype: Any, block_size: int, head_size: int) -> str:
+    """The ISA vLLM's CPU backend picks for a cache of this shape (it decides the layout)."""
+    return resolve(f"{_CPU_ATTN}:_get_attn_isa")(dtype, block_size, head_size)
+
+
+def reshape_and_cache(key: Any, value: Any, key_cache: Any, value_cache: Any, slots: Any, isa: str) -> None:
+    """vLLM's own CPU cache writer."""
+    resolve("vllm._custom_ops:cpu_attn_reshape_and_cache")(key, value, key_cache, value_cache, slots, isa)
 
 
 def tp_all_reduce(local: Any) -> Any:

@@ -145,9 +145,9 @@ def _divisors(n: int) -> list[int]:
 
 def default_isa(dtype: torch.dtype, block_size: int, head_size: int) -> str:
     """The ISA vLLM's CPU backend picks for this cache shape on this machine."""
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    from vllm_kvprune import vllm_hooks
 
-    return _get_attn_isa(dtype, block_size, head_size)
+    return vllm_hooks.attention_isa(dtype, block_size, head_size)
 
 
 def layout_for_cache(kv_cache: torch.Tensor, isa: str | None = None) -> CacheLayout:
@@ -207,7 +207,7 @@ def _run_probe(
     the probe values, or treated the two heads differently: any of those would mean the
     layout is not a per-(block, head) permutation and the index maps cannot describe it.
     """
-    import vllm._custom_ops as vllm_ops
+    from vllm_kvprune import vllm_hooks
 
     num_heads = 2
     kv_cache = torch.full((2, num_heads, block_size, 2 * head_size), _UNWRITTEN, dtype=dtype)
@@ -215,7 +215,7 @@ def _run_probe(
     key = key_values.to(dtype).unsqueeze(1).expand(block_size, num_heads, head_size).contiguous()
     value = value_values.to(dtype).unsqueeze(1).expand(block_size, num_heads, head_size).contiguous()
     slots = torch.arange(block_size, 2 * block_size, dtype=torch.int64)
-    vllm_ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+    vllm_hooks.reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
 
     pages = kv_cache.view(2, num_heads, -1).float()
     where = f"isa={isa} dtype={dtype} block_size={block_size} head_size={head_size}"

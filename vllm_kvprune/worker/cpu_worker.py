@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-from vllm.v1.worker.cpu_worker import CPUWorker
 
 from vllm_kvprune import plugin
+from vllm_kvprune.vllm_hooks import CPUWorker
 from vllm_kvprune.worker.model_runner import KVPruneCPUModelRunner
 
 
