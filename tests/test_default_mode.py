@@ -19,7 +19,6 @@ from __future__ import annotations
 import pytest
 
 from conftest import BLOCK_SIZE, engine
-from test_streaming_engine import greedy
 
 NEAR_TIE = 0.15  # nats
 LOGPROB_TOLERANCE = {"streaming": 0.15, "h2o": 0.3, "paged_eviction": 0.15}

@@ -1,53 +1,19 @@
 """A real `vllm-kvprune serve` with a policy: a bad per-request override is a 400 naming
 the field, and the server keeps serving the next (good) request."""
 
-import os
-import socket
-import subprocess
-import time
-
 import pytest
 import requests
 
-from conftest import VENV_BIN, page_bytes
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from conftest import page_bytes, served
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    port = _free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     pool_bytes = 256 * page_bytes(tiny_model, {"dtype": "float32", "block_size": 32})
-    command = [str(VENV_BIN / "vllm-kvprune"), "serve", tiny_model, "--port", str(port), "--dtype", "float32",
-               "--enforce-eager", "--block-size", "32", "--max-model-len", "4096",
-               "--kv-cache-memory-bytes", str(pool_bytes),
-               "--kv-policy", "streaming", "--kv-budget", "64", "--kv-sinks", "4"]
-    with open(log, "w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-        base = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.time() + 240
-            while time.time() < deadline:
-                if process.poll() is not None:
-                    raise RuntimeError(f"server exited:\n{log.read_text()[-3000:]}")
-                try:
-                    if requests.get(f"{base}/health", timeout=2).status_code == 200:
-                        break
-                except requests.ConnectionError:
-                    pass
-                time.sleep(1)
-            else:
-                raise RuntimeError(f"server did not start:\n{log.read_text()[-3000:]}")
-            yield base, tiny_model
-        finally:
-            process.terminate()
-            process.wait(timeout=60)
+    with served(tiny_model, "--dtype", "float32", "--enforce-eager", "--block-size", "32", "--max-model-len", "4096",
+                "--kv-cache-memory-bytes", str(pool_bytes), "--kv-policy", "streaming", "--kv-budget", "64",
+                "--kv-sinks", "4", log_dir=tmp_path_factory.mktemp("server"), timeout=240) as base:
+        yield base, tiny_model
 
 
 def _complete(base: str, model: str, xargs: dict | None, endpoint: str = "completions") -> requests.Response:

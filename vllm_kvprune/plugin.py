@@ -217,12 +217,14 @@ def _frontend_pool_blocks() -> int | None:
     return vllm_hooks.reported_pool_blocks(_frontend_vllm_config) if _frontend_vllm_config is not None else None
 
 
-def check_prompt(num_prompt_tokens: int) -> None:
-    """Front end, every prompt: under `prefill: full` it must fit the pool (HTTP 400)."""
-    usable = _frontend_pool_blocks()
-    if _frontend_policy is None or usable is None:
+def check_prompt(vllm_config, num_prompt_tokens: int) -> None:
+    """Front end, every prompt of the engine `vllm_config` configures: under `prefill: full`
+    it must fit the pool (HTTP 400)."""
+    policy = from_additional_config(getattr(vllm_config, "additional_config", None))
+    usable = vllm_hooks.reported_pool_blocks(vllm_config)
+    if not policy.active or usable is None:
         return
-    admission.check_prompt_fits(_frontend_policy, num_prompt_tokens, _frontend_block_size, usable)
+    admission.check_prompt_fits(policy, num_prompt_tokens, vllm_config.cache_config.block_size, usable)
 
 
 # ---- per request: HTTP 400 for a bad override --------------------------------------------

@@ -75,6 +75,7 @@ HOOKS: tuple[Hook, ...] = (
          "checks kv_* overrides before admission", ("sampling_params",)),
     Hook("patch", "vllm.v1.engine.input_processor:InputProcessor._validate_prompt_len",
          "HTTP 400 for a prompt the pool cannot hold under prefill: full", ("self", "prompt_len", "prompt_type")),
+    Hook("read", "vllm.v1.engine.input_processor:InputProcessor", "the engine's config", attributes=("vllm_config",)),
     Hook("read", "vllm.config.cache:CacheConfig", "the pool size the engine reported to the front end",
          attributes=("num_gpu_blocks",)),
     # Engine core: capped spec and manager, scheduler, start-up memory check.
@@ -87,6 +88,7 @@ HOOKS: tuple[Hook, ...] = (
          "in the partial vLLM passes as get_needed_memory)",
          ("available_memory", "get_needed_memory", "max_model_len", "estimate_max_model_len")),
     Hook("base", "vllm.v1.kv_cache_interface:FullAttentionSpec", "base of the capped spec"),
+    Hook("read", "vllm.v1.kv_cache_interface:SlidingWindowSpec", "groups left to vLLM in hybrid models"),
     Hook("override", "vllm.v1.kv_cache_interface:FullAttentionSpec.max_memory_usage_bytes",
          "what one request may need (start-up admission)", ("self", "vllm_config")),
     Hook("base", f"{_MANAGER}:FullAttentionManager", "base of the capped manager",
@@ -389,9 +391,10 @@ def install_memory_hint(hint: Callable[[Any], str | None]) -> None:
     kv_cache_utils._check_enough_kv_cache_memory = check
 
 
-def install_prompt_check(check: Callable[[int], None]) -> None:
-    """Every decoder prompt's length also goes through `check(num_tokens)` in the front end;
-    a `KVConfigError` it raises becomes vLLM's validation error (HTTP 400 for that request)."""
+def install_prompt_check(check: Callable[[Any, int], None]) -> None:
+    """Every decoder prompt's length also goes through `check(vllm_config, num_tokens)` in
+    the front end, with the config of the engine it is for; a `KVConfigError` it raises
+    becomes vLLM's validation error (HTTP 400 for that request)."""
     from vllm.exceptions import VLLMValidationError
     from vllm.v1.engine.input_processor import InputProcessor
 
@@ -405,7 +408,7 @@ def install_prompt_check(check: Callable[[int], None]) -> None:
             from vllm_kvprune.config import KVConfigError
 
             try:
-                check(prompt_len)
+                check(self.vllm_config, prompt_len)
             except KVConfigError as exc:
                 raise VLLMValidationError(str(exc), parameter=exc.setting) from None
 

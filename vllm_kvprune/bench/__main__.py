@@ -11,6 +11,7 @@ from typing import Sequence
 SUBCOMMAND_MODULES: tuple[str, ...] = (
     "kv_update",
     "throughput",
+    "worker_memory",
     "accuracy",
     "results_page",
 )

@@ -87,6 +87,11 @@ def render(results_dir: Path, page_path: Path) -> str:
         labels = "\n".join(f"- `{stem}.json`: {what}" for stem, what in SPEED_FILES[kind])
         parts += [title, labels, render_section(paths, page_path.parent)]
 
+    memory = results_dir / "worker_memory.json"
+    if memory.is_file():
+        documents.append((memory.name, sections.load(memory)))
+        parts += ["## Worker memory", sections.worker_memory_section(memory, page_path.parent)]
+
     parts += ["## Machine and versions", sections.machine_section(documents), kvpress_versions(documents)]
     page = "\n\n".join(part for part in parts if part) + "\n"
     page_path.parent.mkdir(parents=True, exist_ok=True)

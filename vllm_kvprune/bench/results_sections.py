@@ -219,6 +219,23 @@ def throughput_section(paths: Sequence[Path], doc_dir: Path) -> str:
     return "\n\n".join(sections)
 
 
+# ---- worker memory -------------------------------------------------------------------------
+def worker_memory_section(path: Path, doc_dir: Path) -> str:
+    """Per-request worker state and RSS per policy, each run (before / after) side by side."""
+    from vllm_kvprune.bench import worker_memory
+
+    document = load(path)
+    settings = document.get("settings", {})
+    setup = (f"{settings.get('requests', MISSING)} requests of {settings.get('prompt_tokens', MISSING)} prompt + "
+             f"{settings.get('gen_tokens', MISSING)} generated tokens at once, model shape "
+             f"{document.get('model_shape', MISSING)}, bf16; `plan share`: planning's share of the decode "
+             "steps with every request decoding (h2o with lazy pruning, R = 8).")
+    commands = {row["label"]: shown_command(row.get("command")) for row in document["results"]}
+    notes = [f"{label}: `{command}`" for label, command in commands.items()]
+    return file_section(f"worker memory (`{Path(path).name}`)", document, setup,
+                        markdown_table(*worker_memory.table(document["results"])), notes, path, doc_dir)
+
+
 # ---- machine -----------------------------------------------------------------------------
 MACHINE_FIELDS = (
     ("CPU", "cpu_model"), ("key CPU flags", "cpu_key_flags"), ("usable cores", "usable_cores"),

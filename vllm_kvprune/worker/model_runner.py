@@ -5,7 +5,7 @@ from __future__ import annotations
 from vllm_kvprune import vllm_hooks
 from vllm_kvprune.config import policy_from_vllm_config
 from vllm_kvprune.engine.spec import KVPruneSpec
-from vllm_kvprune.vllm_hooks import CPUModelRunner
+from vllm_kvprune.vllm_hooks import CPUModelRunner, SlidingWindowSpec
 from vllm_kvprune.worker import runtime
 from vllm_kvprune.worker.features import LayerFeatures, UnsupportedModelError, refusal
 from vllm_kvprune.worker.positions import sink_rotation
@@ -50,12 +50,20 @@ class KVPruneCPUModelRunner(CPUModelRunner):
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
         if self.kv_state.policy is None:
             return
+        name = self.kv_state.engine_config.name
         groups = [index for index, group in enumerate(kv_cache_config.kv_cache_groups)
                   if isinstance(group.kv_cache_spec, KVPruneSpec)]
+        for group in kv_cache_config.kv_cache_groups:
+            # Left to vLLM: sliding windows (bounded by their window); anything else would
+            # run uncapped beside the policy.
+            if not isinstance(group.kv_cache_spec, (KVPruneSpec, SlidingWindowSpec)):
+                raise UnsupportedModelError(
+                    f"{name}: {type(group.kv_cache_spec).__name__} layers ({list(group.layer_names)[0]}) "
+                    "are not supported")
         if len(groups) != 1:
             names = [list(kv_cache_config.kv_cache_groups[i].layer_names)[0] for i in groups]
             raise UnsupportedModelError(
-                f"{self.kv_state.engine_config.name}: KV-cache groups: the pruned layers fall into "
+                f"{name}: KV-cache groups: the pruned layers fall into "
                 f"{len(groups)} groups (first layers {names}); exactly one is supported")
         self.policy_group = groups[0]
         group = kv_cache_config.kv_cache_groups[self.policy_group]

@@ -1,17 +1,12 @@
-"""The worker's half of "scheduler reserves, worker maps": per-request slot maps and the
-plan of one step (which physical slot each new token takes, what moves before and after
-attention), derived from token counts only so the scheduler needs no channel to us.
-
-Step rule shared with `vllm_kvprune.reference` (budget B, prune interval R): before a
-step of q new tokens, if `cached + q > B + R - 1` and `cached > B - 1`, evict down to
-`B - 1` cached tokens. Decode steps are q = 1; a full prefill is one step evaluated at its
-end (as if the next token arrived, so the survivors are compacted while the prompt's
-blocks are still ours); a streaming prefill applies the rule at each `prefill_chunk`.
+"""The worker's half of "scheduler reserves, worker maps": what the worker remembers per
+request (its map of physical slots, its sink keys) and per layer (the policy's scores), and
+the plan of each step, derived from token counts only so the scheduler needs no channel to
+us. How each kind of map plans a row is in `worker/planners.py`; the plan itself, in
+`worker/plan.py`.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,13 +14,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from vllm_kvprune import vllm_hooks
 from vllm_kvprune.config import KVPolicyConfig
 from vllm_kvprune.policies import Policy, get_policy
 from vllm_kvprune.worker.block_map import LayerBlockMap
 from vllm_kvprune.worker.head_map import SKIP, HeadSlotMap
-from vllm_kvprune.worker.slot_map import NO_MOVES, Moves, SlotMap
+from vllm_kvprune.worker.plan import MassQueries, PlanningError, PrefillCompaction, SinkAnchor, StepPlan
+from vllm_kvprune.worker.planners import PLANNERS, RowPlanner, Row, evict_for
+from vllm_kvprune.worker.slot_map import SlotMap
 
-DEBUG = os.environ.get("VLLM_KVPRUNE_DEBUG", "0") == "1"
+__all__ = ["HeadMass", "LayerScores", "MassQueries", "PlanningError", "PrefillCompaction", "RequestKVState",
+           "SinkAnchor", "StepPlan", "StepRows", "WorkerKVState", "evict_for"]
 
 
 @dataclass
@@ -43,58 +42,6 @@ class RequestKVState:
     blocks: LayerBlockMap | None = None
     # Head-wise policies: each layer's and KV head's slot map (replaces `slots` too).
     heads: HeadSlotMap | None = None
-
-
-@dataclass
-class SinkAnchor:
-    """Rewrite a request's sink keys rotated forward by `shift` positions."""
-
-    state: RequestKVState
-    sink_positions: np.ndarray
-    sink_slots: torch.Tensor
-    shift: int
-
-
-@dataclass
-class StepPlan:
-    """One step of the batch in physical terms; built once, executed by every layer."""
-
-    slot_mapping: torch.Tensor  # [T] physical slot of each new token
-    seq_lens: torch.Tensor  # [num_reqs] physical keys each row attends to
-    pre_moves: tuple[torch.Tensor, torch.Tensor] | None = None  # before new tokens are written
-    post_moves: tuple[torch.Tensor, torch.Tensor] | None = None  # after attention (prefill end)
-    sink_captures: list[tuple[RequestKVState, torch.Tensor]] = field(default_factory=list)
-    sink_anchors: list[SinkAnchor] = field(default_factory=list)
-    # Block policies: per-layer slots [layers, T], each row's block order where a layer's
-    # differs from the table's, and prompts each layer prunes after its attention.
-    layer_slot_mapping: torch.Tensor | None = None
-    block_orders: list[tuple[int, np.ndarray]] = field(default_factory=list)
-    prefill_compactions: list[PrefillCompaction] = field(default_factory=list)
-    # Head-wise policies: slots per layer, token and KV head [layers, T, heads], the moves
-    # before they are written ([layers, M, heads] sources and destinations, SKIP-padded),
-    # and whose attention mass each layer accumulates after its attention.
-    head_slot_mapping: torch.Tensor | None = None
-    head_moves: tuple[torch.Tensor, torch.Tensor] | None = None
-    mass_queries: MassQueries | None = None
-
-
-@dataclass
-class MassQueries:
-    """The queries whose attention mass is kept this step, one entry per query token."""
-
-    tokens: torch.Tensor  # [N] token index in the batch
-    rows: torch.Tensor  # [N] block-table row
-    key_counts: torch.Tensor  # [N] physical keys it attends to (causal inside a prompt chunk)
-    decode_only: bool  # every token is its row's single decode token, in batch order
-
-
-@dataclass
-class PrefillCompaction:
-    """Prune one request's prompt to `keep` tokens, each layer by its own scores."""
-
-    state: RequestKVState
-    prompt_slots: torch.Tensor  # [P] global slot of each prompt position
-    keep: int
 
 
 class LayerScores:
@@ -155,8 +102,6 @@ class HeadMass:
 
 def _sum_over_ranks(local_sums: torch.Tensor) -> torch.Tensor:
     """Add up what each tensor-parallel rank scored over its own KV heads."""
-    from vllm_kvprune import vllm_hooks
-
     return vllm_hooks.tp_all_reduce(local_sums)
 
 
@@ -220,10 +165,7 @@ class WorkerKVState:
             # New, or resumed after preemption: it re-prefills from scratch.
             config = self.engine_config.for_request(extra_args)
             state = RequestKVState(config=config, policy=get_policy(config.name))
-            if state.policy.granularity == "block":
-                state.blocks = LayerBlockMap(self.scores.num_layers, self.scores.block_size)
-            elif state.policy.granularity == "head":
-                state.heads = HeadSlotMap(self.scores.num_layers, self.scores.num_heads)
+            PLANNERS[state.policy.granularity].attach_map(state, self.scores)
             self.requests[request_id] = state
         return state
 
@@ -257,224 +199,24 @@ class WorkerKVState:
 
 
 class _PlanBuilder:
-    """Accumulates the rows of one step into a `StepPlan`."""
+    """Accumulates the rows of one step into a `StepPlan`, through the planner of the map
+    the step's requests hold (one kind per step: the policy is the engine's)."""
 
     def __init__(self, block_size: int, scores: LayerScores | HeadMass | None = None) -> None:
         self.block_size = block_size
         self.scores = scores
-        self.layer_slots: list[np.ndarray] = []
-        self.block_orders: list[tuple[int, np.ndarray]] = []
-        self.prefill_compactions: list[PrefillCompaction] = []
-        self.slot_mapping: list[np.ndarray] = []
-        self.seq_lens: list[int] = []
-        self.pre_moves: list[tuple[np.ndarray, np.ndarray]] = []
-        self.post_moves: list[tuple[np.ndarray, np.ndarray]] = []
-        self.sink_captures: list[tuple[RequestKVState, torch.Tensor]] = []
-        self.sink_anchors: list[SinkAnchor] = []
-        self.head_slots: list[np.ndarray] = []
-        self.head_moves: list[tuple[np.ndarray, np.ndarray]] = []
-        self.mass_queries: list[np.ndarray] = []  # [q, 3]: token, row, key count
-        self.decode_only = True
-
-    def _global(self, block_row: np.ndarray, slots: np.ndarray) -> np.ndarray:
-        return block_row[slots // self.block_size].astype(np.int64) * self.block_size + slots % self.block_size
-
-    def _add_moves(self, target: list, block_row: np.ndarray, moves: Moves) -> None:
-        if len(moves[0]):
-            target.append((self._global(block_row, moves[0]), self._global(block_row, moves[1])))
+        self._planner: RowPlanner | None = None
 
     def add_row(self, state: RequestKVState, first_token: int, num_computed: int, num_new: int,
                 num_prompt: int, block_row: np.ndarray) -> None:
-        if state.blocks is not None:
-            self._add_block_row(state, num_computed, num_new, num_prompt, block_row)
-            return
-        if state.heads is not None:
-            self._add_head_row(state, first_token, num_computed, num_new, num_prompt, block_row)
-            return
-        config, slots = state.config, state.slots
-        positions = np.arange(num_computed, num_computed + num_new, dtype=np.int64)
-        pre = post = NO_MOVES
-        if num_computed < num_prompt:
-            chunk = config.prefill_chunk
-            if config.prefill == "streaming" and num_computed % chunk == 0:
-                pre = evict_for(state, min(chunk, num_prompt - num_computed))
-            kept_before_new = slots.num_valid
-            new_slots = slots.append(positions)
-            if config.prefill == "full" and num_computed + num_new == num_prompt:
-                post = evict_for(state, 1)
-        else:
-            _require_one_token(num_new)
-            if config.evicts_before(slots.num_valid, 1):
-                kept_before_new = config.budget - 1
-                victims = state.policy.victims(slots.logical, slots.num_valid + 1 - config.budget, config)
-                new_slot, pre = slots.replace(victims, num_computed)
-                new_slots = np.array([new_slot], np.int64)
-            else:
-                kept_before_new = slots.num_valid
-                new_slots = slots.append(positions)
-        if DEBUG:
-            slots.check()
-        self._add_moves(self.pre_moves, block_row, pre)
-        self._add_moves(self.post_moves, block_row, post)
-        self.slot_mapping.append(self._global(block_row, new_slots))
-        self.seq_lens.append(kept_before_new + num_new)
-        self._plan_sinks(state, first_token, num_computed, num_new, kept_before_new, block_row)
-
-    def _add_block_row(self, state: RequestKVState, num_computed: int, num_new: int, num_prompt: int,
-                       block_row: np.ndarray) -> None:
-        """A block policy's row: the prompt is written in table order and pruned per layer
-        at its end; past it, when every block is full, each layer evicts its own worst
-        R blocks and the first of them takes the new token as the tail (EQUIP, by block)."""
-        config, blocks = state.config, state.blocks
-        positions = np.arange(num_computed, num_computed + num_new, dtype=np.int64)
-        if num_computed >= num_prompt and blocks.tail_full and not blocks.free.shape[1] \
-                and blocks.order.shape[1] >= config.cap_blocks(self.block_size):
-            means = self.scores.block_means(block_row[blocks.order])
-            victims = state.policy.victim_blocks(means, config.prune_interval, config, self.block_size)
-            blocks.evict(victims.numpy())
-        local = blocks.append(positions)
-        self.layer_slots.append(self._global(block_row, local))
-        self.seq_lens.append(blocks.num_valid)
-        if num_computed + num_new == num_prompt and blocks.num_valid > config.budget:
-            self.prefill_compactions.append(PrefillCompaction(
-                state, torch.from_numpy(self._global(block_row, np.arange(blocks.num_valid))), config.budget))
-            blocks.compact(config.budget)
-        if not blocks.is_identity():
-            self.block_orders.append((len(self.seq_lens) - 1, blocks.order))
-        if DEBUG:
-            blocks.check()
-
-    def _add_head_row(self, state: RequestKVState, first_token: int, num_computed: int, num_new: int,
-                      num_prompt: int, block_row: np.ndarray) -> None:
-        """A head-wise policy's row: the prompt is written in table order, its mass kept as it
-        is attended to, and pruned per layer and head at its end; past it, once the cache is
-        full, every head evicts its own lowest-mass tokens and the new token takes one of
-        their slots in that head (EQUIP, per head)."""
-        config, heads = state.config, state.heads
-        num_layers, num_heads = heads.num_layers, heads.num_heads
-        kept_before_new = heads.num_valid
-        if num_computed >= num_prompt:
-            _require_one_token(num_new)
-        if num_computed >= num_prompt and config.evicts_before(heads.num_valid, 1):
-            local = self._replace_per_head(state, num_computed, block_row)
-            kept_before_new = config.budget - 1
-        else:
-            positions = np.arange(num_computed, num_computed + num_new)
-            local = np.broadcast_to(heads.append(positions)[None, :, None], (num_layers, num_new, num_heads))
-        self._add_mass_queries(first_token, num_new, len(self.seq_lens), kept_before_new)
-        if num_computed < num_prompt:
-            self.decode_only = False
-            if num_computed + num_new == num_prompt and config.evicts_before(heads.num_valid, 1):
-                self.prefill_compactions.append(PrefillCompaction(
-                    state, torch.from_numpy(self._global(block_row, np.arange(heads.num_valid))), config.budget - 1))
-                heads.truncate(config.budget - 1)
-        self.head_slots.append(self._global(block_row, local))
-        self.seq_lens.append(kept_before_new + num_new)
-        if DEBUG and (heads.is_identity or not (heads.logical == SKIP).any()):  # a pruned prompt: next step
-            heads.check()
-
-    def _replace_per_head(self, state: RequestKVState, num_computed: int, block_row: np.ndarray) -> np.ndarray:
-        """Every head evicts its lowest-mass tokens; returns the new token's local slot per
-        layer and head `[layers, 1, heads]` and records the lazy-pruning moves."""
-        config, heads = state.config, state.heads
-        slots = torch.from_numpy(self._global(block_row, np.arange(heads.num_valid)))
-        victims = state.policy.evicted(self.scores.by_slot, slots, torch.from_numpy(heads.logical),
-                                       heads.num_valid + 1 - config.budget, num_computed, config)
-        new_slots, sources, destinations = heads.replace(victims.numpy(), num_computed)
-        if sources.shape[1]:
-            self.head_moves.append((self._global_or_skip(block_row, sources),
-                                    self._global_or_skip(block_row, destinations)))
-        return new_slots[:, None, :]
-
-    def _add_mass_queries(self, first_token: int, num_new: int, row: int, kept_before_new: int) -> None:
-        offsets = np.arange(num_new, dtype=np.int64)
-        self.mass_queries.append(np.stack([first_token + offsets, np.full(num_new, row),
-                                           kept_before_new + 1 + offsets], axis=1))
-
-    def _global_or_skip(self, block_row: np.ndarray, slots: np.ndarray) -> np.ndarray:
-        return np.where(slots == SKIP, SKIP, self._global(block_row, np.maximum(slots, 0)))
-
-    def _plan_sinks(self, state: RequestKVState, first_token: int, num_computed: int, num_new: int,
-                    kept_before_new: int, block_row: np.ndarray) -> None:
-        config = state.config
-        if config.positions != "cache" or config.sinks == 0:
-            return
-        if num_computed < config.sinks:
-            count = min(config.sinks, num_computed + num_new) - num_computed
-            self.sink_captures.append((state, torch.arange(first_token, first_token + count)))
-        shift = num_computed - kept_before_new  # tokens evicted so far
-        if shift != state.sink_shift:
-            sink_slots = np.flatnonzero(state.slots.logical < config.sinks)
-            self.sink_anchors.append(SinkAnchor(
-                state, state.slots.logical[sink_slots],
-                torch.from_numpy(self._global(block_row, sink_slots)), shift,
-            ))
-            state.sink_shift = shift
+        planner_cls = PLANNERS[state.policy.granularity]
+        if self._planner is None:
+            self._planner = planner_cls(self.block_size, self.scores)
+        elif type(self._planner) is not planner_cls:
+            raise PlanningError(f"kvprune: one step mixes {type(self._planner).__name__} and {planner_cls.__name__} rows")
+        self._planner.add(Row(state, first_token, num_computed, num_new, num_prompt, block_row))
 
     def finish(self) -> StepPlan:
-        if self.layer_slots:
-            return self._finish_block_plan()
-        if self.head_slots:
-            return self._finish_head_plan()
-        return StepPlan(
-            slot_mapping=torch.from_numpy(np.concatenate(self.slot_mapping)),
-            seq_lens=torch.tensor(self.seq_lens, dtype=torch.int32),
-            pre_moves=_concat_moves(self.pre_moves),
-            post_moves=_concat_moves(self.post_moves),
-            sink_captures=self.sink_captures,
-            sink_anchors=self.sink_anchors,
-        )
-
-    def _finish_block_plan(self) -> StepPlan:
-        layer_slots = torch.from_numpy(np.concatenate(self.layer_slots, axis=1))
-        return StepPlan(
-            slot_mapping=layer_slots[0],
-            seq_lens=torch.tensor(self.seq_lens, dtype=torch.int32),
-            layer_slot_mapping=layer_slots,
-            block_orders=self.block_orders,
-            prefill_compactions=self.prefill_compactions,
-        )
-
-
-    def _finish_head_plan(self) -> StepPlan:
-        head_slots = torch.from_numpy(np.ascontiguousarray(np.concatenate(self.head_slots, axis=1)))
-        moves = None
-        if self.head_moves:
-            moves = tuple(torch.from_numpy(np.ascontiguousarray(np.concatenate(part, axis=1)))
-                          for part in zip(*self.head_moves))
-        queries = torch.from_numpy(np.concatenate(self.mass_queries)).T.contiguous()
-        return StepPlan(
-            slot_mapping=head_slots[0, :, 0],
-            seq_lens=torch.tensor(self.seq_lens, dtype=torch.int32),
-            head_slot_mapping=head_slots,
-            head_moves=moves,
-            prefill_compactions=self.prefill_compactions,
-            mass_queries=MassQueries(tokens=queries[0], rows=queries[1], key_counts=queries[2],
-                                     decode_only=self.decode_only),
-        )
-
-
-class PlanningError(RuntimeError):
-    """A step the worker cannot map onto physical slots: a broken contract with the
-    scheduler or the runner, never silently run as if no policy were on."""
-
-
-def _require_one_token(num_new: int) -> None:
-    if num_new != 1:
-        raise PlanningError(f"kvprune: a bounded request runs one token per step past its prompt, got {num_new} "
-                            "(the scheduler's step rule, KVPruneScheduler._reserve_prefill_lookahead)")
-
-
-def evict_for(state: RequestKVState, num_incoming: int) -> Moves:
-    """Apply the step rule before `num_incoming` tokens arrive; compacts the survivors."""
-    config, slots = state.config, state.slots
-    if not config.evicts_before(slots.num_valid, num_incoming):
-        return NO_MOVES
-    return slots.compact(state.policy.survivors(slots.logical, config.budget - 1, config))
-
-
-def _concat_moves(moves: list[tuple[np.ndarray, np.ndarray]]) -> tuple[torch.Tensor, torch.Tensor] | None:
-    if not moves:
-        return None
-    return (torch.from_numpy(np.concatenate([m[0] for m in moves])),
-            torch.from_numpy(np.concatenate([m[1] for m in moves])))
+        if self._planner is None:
+            raise PlanningError("kvprune: a step with no rows")
+        return self._planner.finish()

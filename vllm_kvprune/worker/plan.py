@@ -1,0 +1,70 @@
+"""One step of the batch in physical terms: what the metadata builder plans once and every
+layer's attention impl carries out (see `worker/planners.py` for how it is planned)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from vllm_kvprune.worker.state import RequestKVState
+
+
+class PlanningError(RuntimeError):
+    """A step the worker cannot map onto physical slots: a broken contract with the
+    scheduler or the runner, never silently run as if no policy were on."""
+
+
+@dataclass
+class SinkAnchor:
+    """Rewrite a request's sink keys rotated forward by `shift` positions."""
+
+    state: RequestKVState
+    sink_positions: np.ndarray
+    sink_slots: torch.Tensor
+    shift: int
+
+
+@dataclass
+class StepPlan:
+    """One step of the batch in physical terms; built once, executed by every layer."""
+
+    slot_mapping: torch.Tensor  # [T] physical slot of each new token
+    seq_lens: torch.Tensor  # [num_reqs] physical keys each row attends to
+    pre_moves: tuple[torch.Tensor, torch.Tensor] | None = None  # before new tokens are written
+    post_moves: tuple[torch.Tensor, torch.Tensor] | None = None  # after attention (prefill end)
+    sink_captures: list[tuple[RequestKVState, torch.Tensor]] = field(default_factory=list)
+    sink_anchors: list[SinkAnchor] = field(default_factory=list)
+    # Block policies: per-layer slots [layers, T], each row's block order where a layer's
+    # differs from the table's, and prompts each layer prunes after its attention.
+    layer_slot_mapping: torch.Tensor | None = None
+    block_orders: list[tuple[int, np.ndarray]] = field(default_factory=list)
+    prefill_compactions: list[PrefillCompaction] = field(default_factory=list)
+    # Head-wise policies: slots per layer, token and KV head [layers, T, heads], the moves
+    # before they are written ([layers, M, heads] sources and destinations, SKIP-padded),
+    # and whose attention mass each layer accumulates after its attention.
+    head_slot_mapping: torch.Tensor | None = None
+    head_moves: tuple[torch.Tensor, torch.Tensor] | None = None
+    mass_queries: MassQueries | None = None
+
+
+@dataclass
+class MassQueries:
+    """The queries whose attention mass is kept this step, one entry per query token."""
+
+    tokens: torch.Tensor  # [N] token index in the batch
+    rows: torch.Tensor  # [N] block-table row
+    key_counts: torch.Tensor  # [N] physical keys it attends to (causal inside a prompt chunk)
+    decode_only: bool  # every token is its row's single decode token, in batch order
+
+
+@dataclass
+class PrefillCompaction:
+    """Prune one request's prompt to `keep` tokens, each layer by its own scores."""
+
+    state: RequestKVState
+    prompt_slots: torch.Tensor  # [P] global slot of each prompt position
+    keep: int

@@ -1,0 +1,308 @@
+"""How each kind of request map turns one step's rows into a `StepPlan`.
+
+One small class per cache behaviour over a shared base, in the spirit of vLLM's
+`single_type_kv_cache_manager.py`: a planner owns one kind of map (it makes a request's map
+and reads the policy's choices into it), plans each row of the step in that map's terms and
+finishes the plan its impl path executes. A new cache behaviour is one new class here
+beside the others (and its map), not a branch in every method.
+
+Step rule shared with `vllm_kvprune.reference` (budget B, prune interval R): before a step
+of q new tokens, if `cached + q > B + R - 1` and `cached > B - 1`, evict down to `B - 1`
+cached tokens. Decode steps are q = 1; a full prefill is one step evaluated at its end (as if
+the next token arrived, so the survivors are compacted while the prompt's blocks are still
+ours); a streaming prefill applies the rule at each `prefill_chunk`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from vllm_kvprune.worker.block_map import LayerBlockMap
+from vllm_kvprune.worker.head_map import SKIP, HeadSlotMap
+from vllm_kvprune.worker.plan import MassQueries, PlanningError, PrefillCompaction, SinkAnchor, StepPlan
+from vllm_kvprune.worker.slot_map import NO_MOVES, Moves, SlotMap
+
+if TYPE_CHECKING:
+    from vllm_kvprune.worker.state import RequestKVState
+
+DEBUG = os.environ.get("VLLM_KVPRUNE_DEBUG", "0") == "1"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One request's part of the step, in logical terms."""
+
+    state: RequestKVState
+    first_token: int  # index of its first new token in the batch
+    num_computed: int
+    num_new: int
+    num_prompt: int
+    block_row: np.ndarray  # its block-table row (local block i -> pool block)
+
+    @property
+    def positions(self) -> np.ndarray:
+        return np.arange(self.num_computed, self.num_computed + self.num_new, dtype=np.int64)
+
+    @property
+    def in_prompt(self) -> bool:
+        return self.num_computed < self.num_prompt
+
+    @property
+    def ends_prompt(self) -> bool:
+        return self.num_computed + self.num_new == self.num_prompt
+
+    def decoding(self) -> bool:
+        """Past its prompt; a bounded request then runs one token per step."""
+        if self.in_prompt:
+            return False
+        if self.num_new != 1:
+            raise PlanningError(
+                f"kvprune: a bounded request runs one token per step past its prompt, got {self.num_new} "
+                "(the scheduler's step rule, KVPruneScheduler._reserve_prefill_lookahead)")
+        return True
+
+
+class RowPlanner:
+    """Accumulates one step's rows whose requests hold one kind of map."""
+
+    def __init__(self, block_size: int, scores: Any = None) -> None:
+        self.block_size = block_size
+        self.scores = scores  # the policy's score table (LayerScores, HeadMass) or None
+        self.seq_lens: list[int] = []
+
+    @classmethod
+    def attach_map(cls, state: RequestKVState, scores: Any) -> None:
+        """Give a new (or restarted) request the map this planner plans."""
+
+    def add(self, row: Row) -> None:
+        raise NotImplementedError
+
+    def finish(self) -> StepPlan:
+        raise NotImplementedError
+
+    # ---- shared: local slots (inside the request's own blocks) to pool-wide slots ----
+    def _global(self, block_row: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        return block_row[slots // self.block_size].astype(np.int64) * self.block_size + slots % self.block_size
+
+    def _global_or_skip(self, block_row: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        return np.where(slots == SKIP, SKIP, self._global(block_row, np.maximum(slots, 0)))
+
+    def _seq_lens(self) -> torch.Tensor:
+        return torch.tensor(self.seq_lens, dtype=torch.int32)
+
+
+class TokenPlanner(RowPlanner):
+    """Layer-uniform policies (`streaming`): one `SlotMap` per request serves every layer.
+    Evictions compact (prefill) or overwrite a victim in place (decode, EQUIP); with
+    `positions: cache` the sinks are captured and re-anchored."""
+
+    def __init__(self, block_size: int, scores: Any = None) -> None:
+        super().__init__(block_size, scores)
+        self.slot_mapping: list[np.ndarray] = []
+        self.pre_moves: list[tuple[np.ndarray, np.ndarray]] = []
+        self.post_moves: list[tuple[np.ndarray, np.ndarray]] = []
+        self.sink_captures: list[tuple[RequestKVState, torch.Tensor]] = []
+        self.sink_anchors: list[SinkAnchor] = []
+
+    @classmethod
+    def attach_map(cls, state: RequestKVState, scores: Any) -> None:
+        state.slots = SlotMap()
+
+    def add(self, row: Row) -> None:
+        state, config, slots = row.state, row.state.config, row.state.slots
+        pre = post = NO_MOVES
+        if row.decoding() and config.evicts_before(slots.num_valid, 1):
+            kept_before_new = config.budget - 1
+            victims = state.policy.victims(slots.logical, slots.num_valid + 1 - config.budget, config)
+            new_slot, pre = slots.replace(victims, row.num_computed)
+            new_slots = np.array([new_slot], np.int64)
+        else:
+            chunk = config.prefill_chunk
+            if row.in_prompt and config.prefill == "streaming" and row.num_computed % chunk == 0:
+                pre = evict_for(state, min(chunk, row.num_prompt - row.num_computed))
+            kept_before_new = slots.num_valid
+            new_slots = slots.append(row.positions)
+            if row.in_prompt and config.prefill == "full" and row.ends_prompt:
+                post = evict_for(state, 1)
+        if DEBUG:
+            slots.check()
+        self._add_moves(self.pre_moves, row.block_row, pre)
+        self._add_moves(self.post_moves, row.block_row, post)
+        self.slot_mapping.append(self._global(row.block_row, new_slots))
+        self.seq_lens.append(kept_before_new + row.num_new)
+        self._plan_sinks(row, kept_before_new)
+
+    def _add_moves(self, target: list, block_row: np.ndarray, moves: Moves) -> None:
+        if len(moves[0]):
+            target.append((self._global(block_row, moves[0]), self._global(block_row, moves[1])))
+
+    def _plan_sinks(self, row: Row, kept_before_new: int) -> None:
+        state, config = row.state, row.state.config
+        if config.positions != "cache" or config.sinks == 0:
+            return
+        if row.num_computed < config.sinks:
+            count = min(config.sinks, row.num_computed + row.num_new) - row.num_computed
+            self.sink_captures.append((state, torch.arange(row.first_token, row.first_token + count)))
+        shift = row.num_computed - kept_before_new  # tokens evicted so far
+        if shift != state.sink_shift:
+            sink_slots = np.flatnonzero(state.slots.logical < config.sinks)
+            self.sink_anchors.append(SinkAnchor(
+                state, state.slots.logical[sink_slots], torch.from_numpy(self._global(row.block_row, sink_slots)),
+                shift))
+            state.sink_shift = shift
+
+    def finish(self) -> StepPlan:
+        return StepPlan(
+            slot_mapping=torch.from_numpy(np.concatenate(self.slot_mapping)),
+            seq_lens=self._seq_lens(),
+            pre_moves=_concat_moves(self.pre_moves),
+            post_moves=_concat_moves(self.post_moves),
+            sink_captures=self.sink_captures,
+            sink_anchors=self.sink_anchors,
+        )
+
+
+class BlockPlanner(RowPlanner):
+    """Block policies (`paged_eviction`): a `LayerBlockMap` per request, each layer its own
+    block order. The prompt is written in table order and pruned per layer at its end; past
+    it, when every block is full, each layer evicts its own worst R blocks and the first of
+    them takes the new token as the tail (EQUIP, by block)."""
+
+    def __init__(self, block_size: int, scores: Any = None) -> None:
+        super().__init__(block_size, scores)
+        self.layer_slots: list[np.ndarray] = []
+        self.block_orders: list[tuple[int, np.ndarray]] = []
+        self.prefill_compactions: list[PrefillCompaction] = []
+
+    @classmethod
+    def attach_map(cls, state: RequestKVState, scores: Any) -> None:
+        state.blocks = LayerBlockMap(scores.num_layers, scores.block_size)
+
+    def add(self, row: Row) -> None:
+        state, config, blocks = row.state, row.state.config, row.state.blocks
+        if row.decoding() and blocks.tail_full and not blocks.free.shape[1] \
+                and blocks.order.shape[1] >= config.cap_blocks(self.block_size):
+            means = self.scores.block_means(row.block_row[blocks.order])
+            victims = state.policy.victim_blocks(means, config.prune_interval, config, self.block_size)
+            blocks.evict(victims.numpy())
+        local = blocks.append(row.positions)
+        self.layer_slots.append(self._global(row.block_row, local))
+        self.seq_lens.append(blocks.num_valid)
+        if row.ends_prompt and blocks.num_valid > config.budget:
+            prompt_slots = torch.from_numpy(self._global(row.block_row, np.arange(blocks.num_valid)))
+            self.prefill_compactions.append(PrefillCompaction(state, prompt_slots, config.budget))
+            blocks.compact(config.budget)
+        if not blocks.is_identity():
+            self.block_orders.append((len(self.seq_lens) - 1, blocks.order))
+        if DEBUG:
+            blocks.check()
+
+    def finish(self) -> StepPlan:
+        layer_slots = torch.from_numpy(np.concatenate(self.layer_slots, axis=1))
+        return StepPlan(
+            slot_mapping=layer_slots[0],
+            seq_lens=self._seq_lens(),
+            layer_slot_mapping=layer_slots,
+            block_orders=self.block_orders,
+            prefill_compactions=self.prefill_compactions,
+        )
+
+
+class HeadPlanner(RowPlanner):
+    """Head-wise policies (`h2o`): a `HeadSlotMap` per request, each layer and KV head its own
+    tokens, all heads the same count. The prompt is written in table order, its mass kept as
+    it is attended to, and pruned per layer and head at its end; past it, once the cache is
+    full, every head evicts its own lowest-mass tokens and the new token takes one of their
+    slots in that head (EQUIP, per head)."""
+
+    def __init__(self, block_size: int, scores: Any = None) -> None:
+        super().__init__(block_size, scores)
+        self.head_slots: list[np.ndarray] = []
+        self.head_moves: list[tuple[np.ndarray, np.ndarray]] = []
+        self.prefill_compactions: list[PrefillCompaction] = []
+        self.mass_queries: list[np.ndarray] = []  # [q, 3]: token, row, key count
+        self.decode_only = True
+
+    @classmethod
+    def attach_map(cls, state: RequestKVState, scores: Any) -> None:
+        state.heads = HeadSlotMap(scores.num_layers, scores.num_heads)
+
+    def add(self, row: Row) -> None:
+        state, config, heads = row.state, row.state.config, row.state.heads
+        kept_before_new = heads.num_valid
+        if row.decoding() and config.evicts_before(heads.num_valid, 1):
+            local = self._replace_per_head(row)
+            kept_before_new = config.budget - 1
+        else:
+            new_slots = heads.append(row.positions)
+            local = np.broadcast_to(new_slots[None, :, None], (heads.num_layers, row.num_new, heads.num_heads))
+        self._add_mass_queries(row, kept_before_new)
+        if row.in_prompt:
+            self.decode_only = False
+            if row.ends_prompt and config.evicts_before(heads.num_valid, 1):
+                prompt_slots = torch.from_numpy(self._global(row.block_row, np.arange(heads.num_valid)))
+                self.prefill_compactions.append(PrefillCompaction(state, prompt_slots, config.budget - 1))
+                heads.truncate(config.budget - 1)
+        self.head_slots.append(self._global(row.block_row, local))
+        self.seq_lens.append(kept_before_new + row.num_new)
+        if DEBUG and (heads.is_identity or not (heads.logical == SKIP).any()):  # a pruned prompt: next step
+            heads.check()
+
+    def _replace_per_head(self, row: Row) -> np.ndarray:
+        """Every head evicts its lowest-mass tokens; returns the new token's local slot per
+        layer and head `[layers, 1, heads]` and records the lazy-pruning moves."""
+        state, config, heads = row.state, row.state.config, row.state.heads
+        slots = torch.from_numpy(self._global(row.block_row, np.arange(heads.num_valid)))
+        victims = state.policy.evicted(self.scores.by_slot, slots, torch.from_numpy(heads.logical),
+                                       heads.num_valid + 1 - config.budget, row.num_computed, config)
+        new_slots, sources, destinations = heads.replace(victims.numpy(), row.num_computed)
+        if sources.shape[1]:
+            self.head_moves.append((self._global_or_skip(row.block_row, sources),
+                                    self._global_or_skip(row.block_row, destinations)))
+        return new_slots[:, None, :]
+
+    def _add_mass_queries(self, row: Row, kept_before_new: int) -> None:
+        offsets = np.arange(row.num_new, dtype=np.int64)
+        self.mass_queries.append(np.stack([row.first_token + offsets, np.full(row.num_new, len(self.seq_lens)),
+                                           kept_before_new + 1 + offsets], axis=1))
+
+    def finish(self) -> StepPlan:
+        head_slots = torch.from_numpy(np.ascontiguousarray(np.concatenate(self.head_slots, axis=1)))
+        moves = None
+        if self.head_moves:
+            moves = tuple(torch.from_numpy(np.ascontiguousarray(np.concatenate(part, axis=1)))
+                          for part in zip(*self.head_moves))
+        queries = torch.from_numpy(np.concatenate(self.mass_queries)).T.contiguous()
+        return StepPlan(
+            slot_mapping=head_slots[0, :, 0],
+            seq_lens=self._seq_lens(),
+            head_slot_mapping=head_slots,
+            head_moves=moves,
+            prefill_compactions=self.prefill_compactions,
+            mass_queries=MassQueries(tokens=queries[0], rows=queries[1], key_counts=queries[2],
+                                     decode_only=self.decode_only),
+        )
+
+
+# A policy's `granularity` names the planner (and so the map) its requests use.
+PLANNERS: dict[str, type[RowPlanner]] = {"token": TokenPlanner, "block": BlockPlanner, "head": HeadPlanner}
+
+
+def evict_for(state: RequestKVState, num_incoming: int) -> Moves:
+    """Apply the step rule before `num_incoming` tokens arrive; compacts the survivors."""
+    config, slots = state.config, state.slots
+    if not config.evicts_before(slots.num_valid, num_incoming):
+        return NO_MOVES
+    return slots.compact(state.policy.survivors(slots.logical, config.budget - 1, config))
+
+
+def _concat_moves(moves: list[tuple[np.ndarray, np.ndarray]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if not moves:
+        return None
+    return (torch.from_numpy(np.concatenate([m[0] for m in moves])),
+            torch.from_numpy(np.concatenate([m[1] for m in moves])))
