@@ -159,9 +159,9 @@ def test_markdown_table_escapes_pipes_and_rejects_ragged_rows() -> None:
 def test_worker_memory_section_reads_every_row_from_its_json() -> None:
     path = RESULTS / "worker_memory.json"
     document = json.loads(path.read_text())
-    rows = body_rows(sections.worker_memory_section(path, DOC_DIR))
+    rows = {(row[0], row[1]): row for row in body_rows(sections.worker_memory_section(path, DOC_DIR))}
     assert len(rows) == len(document["results"])
-    for row, result in zip(rows, document["results"]):
-        assert row[:2] == [result["label"], result["policy"]]
+    for result in document["results"]:
+        row = rows[(result["label"], result["policy"])]
         assert float(row[2]) == pytest.approx(result["peak_rss_mib"], abs=0.5)
         assert float(row[4]) == pytest.approx(result["peak_state_mib"], abs=0.05)

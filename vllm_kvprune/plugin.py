@@ -75,13 +75,18 @@ def register() -> None:
         )
 
 
+class _ToVllmLogger(logging.Handler):
+    """Hands our records to vLLM's logger, whose handlers (configured lazily, by vLLM) print
+    them in its format and at its level."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logging.getLogger("vllm").handle(record)
+
+
 def _log_like_vllm() -> None:
-    """Our log lines go where vLLM's go, in its format and at its level."""
-    vllm_logger = logging.getLogger("vllm")
-    if vllm_logger.handlers and not logger.handlers:
-        for handler in vllm_logger.handlers:
-            logger.addHandler(handler)
-        logger.setLevel(vllm_logger.level)
+    if not any(isinstance(handler, _ToVllmLogger) for handler in logger.handlers):
+        logger.addHandler(_ToVllmLogger())
+        logger.setLevel(logging.INFO)
         logger.propagate = False
 
 

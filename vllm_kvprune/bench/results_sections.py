@@ -226,12 +226,18 @@ def worker_memory_section(path: Path, doc_dir: Path) -> str:
 
     document = load(path)
     settings = document.get("settings", {})
-    setup = (f"{settings.get('requests', MISSING)} requests of {settings.get('prompt_tokens', MISSING)} prompt + "
-             f"{settings.get('gen_tokens', MISSING)} generated tokens at once, model shape "
-             f"{document.get('model_shape', MISSING)}, bf16; `plan share`: planning's share of the decode "
-             "steps with every request decoding (h2o with lazy pruning, R = 8).")
-    commands = {row["label"]: shown_command(row.get("command")) for row in document["results"]}
-    notes = [f"{label}: `{command}`" for label, command in commands.items()]
+    shape = document.get("model_shape", {})
+    setup = (f"{settings.get('requests', MISSING)} requests at once (prompt and generated tokens per run: see "
+             f"the commands), bf16, a model of {shape.get('num_hidden_layers', MISSING)} layers with "
+             f"{shape.get('num_attention_heads', MISSING)} query / {shape.get('num_key_value_heads', MISSING)} KV "
+             f"heads of {shape.get('head_dim', MISSING)} dims; `plan share`: planning's share of the decode "
+             "steps with every request decoding (`h2o` with lazy pruning, R = 8).")
+    commands: dict[str, list[str]] = {}
+    for row in document["results"]:
+        command = shown_command(row.get("command"))
+        if command not in commands.setdefault(row["label"], []):
+            commands[row["label"]].append(command)
+    notes = [f"{label}: " + "; ".join(f"`{command}`" for command in shown) for label, shown in commands.items()]
     return file_section(f"worker memory (`{Path(path).name}`)", document, setup,
                         markdown_table(*worker_memory.table(document["results"])), notes, path, doc_dir)
 

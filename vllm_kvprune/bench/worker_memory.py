@@ -172,7 +172,10 @@ def _merge_into(path: Path, rows: list[dict[str, Any]], settings: dict[str, Any]
 
 
 def table(results: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
-    """(headers, rows) of the results, as printed and as on the results page."""
+    """(headers, rows) of the results, as printed and as on the results page: grouped by run,
+    in the order the runs first appear, policies in their usual order."""
+    labels = list(dict.fromkeys(r["label"] for r in results))
+    results = sorted(results, key=lambda r: (labels.index(r["label"]), list(POLICIES).index(r["policy"])))
     headers = ["run", "policy", "peak RSS MiB", "RSS growth MiB", "worker state MiB", "decode step ms",
                "plan share"]
     rows = [[r["label"], r["policy"], f"{r['peak_rss_mib']:.0f}", f"{r['peak_rss_mib'] - r['start_rss_mib']:.0f}",

@@ -94,20 +94,18 @@ class HeadSlotMap:
             self._held[layers, heads, new_slots] = position
             empty = np.empty((num_layers, 0, num_heads), np.int64)
             return new_slots, empty, empty.copy()
-        is_victim = np.zeros((num_layers, num_heads, self.num_valid), bool)
-        is_victim[layers[:, :, None], heads[None, :, None], victims] = True
-        # Holes below the new end, lowest first: as many per head as survivors stranded past it
-        # plus one (the new token's slot).
-        below = is_victim[:, :, :new_valid]
-        stranded = ~is_victim[:, :, new_valid:]
-        hole_slots = _first_true_slots(below, count)  # [L, H, count], SKIP past the holes
-        stranded_slots = _first_true_slots(stranded, count - 1) + new_valid  # [L, H, count-1]
-        num_stranded = stranded.sum(axis=2)  # == holes below - 1, per head
-        new_slots = hole_slots[:, :, 0]
+        # Only the last count - 1 slots can strand a survivor past the new end, so everything
+        # here is [layers, heads, count]-sized, whatever the cache length.
+        holes = np.sort(victims, axis=2)  # the holes below the new end come first, ascending
+        tail = np.arange(new_valid, self.num_valid)  # [count - 1]
+        tail_is_victim = (tail[None, None, :, None] == victims[:, :, None, :]).any(axis=3)
+        stranded = tail[np.argsort(tail_is_victim, axis=2, kind="stable")]  # survivors first, in order
+        num_stranded = (~tail_is_victim).sum(axis=2)  # == holes below the new end - 1, per head
+        new_slots = holes[:, :, 0]
         fills = np.arange(count - 1) < num_stranded[:, :, None]  # [L, H, count-1]
-        sources = np.where(fills, stranded_slots, SKIP)
-        destinations = np.where(fills, hole_slots[:, :, 1:], SKIP)
-        moved_layer, moved_head, moved = np.nonzero(fills)
+        sources = np.where(fills, stranded, SKIP)
+        destinations = np.where(fills, holes[:, :, 1:], SKIP)
+        moved_layer, moved_head, _ = np.nonzero(fills)
         held = self._held
         held[moved_layer, moved_head, destinations[fills]] = held[moved_layer, moved_head, sources[fills]]
         held[layers, heads, new_slots] = position
@@ -139,13 +137,3 @@ class HeadSlotMap:
         if not (np.diff(ordered, axis=2) > 0).all():
             raise InvariantError("a logical token is mapped twice in one head")
 
-
-def _first_true_slots(mask: np.ndarray, count: int) -> np.ndarray:
-    """Indices of the first `count` True entries along the last axis, `[..., count]`, in
-    order; SKIP where a row has fewer."""
-    rank = np.cumsum(mask, axis=-1) - 1  # rank of each True among its row's Trues
-    take = mask & (rank < count)
-    out = np.full((*mask.shape[:-1], count), SKIP, np.int64)
-    index = np.nonzero(take)
-    out[(*index[:-1], rank[take])] = index[-1]
-    return out
