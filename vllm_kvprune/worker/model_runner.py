@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from vllm_kvprune import vllm_hooks
 from vllm_kvprune.config import policy_from_vllm_config
 from vllm_kvprune.engine.spec import KVPruneSpec
@@ -10,6 +12,8 @@ from vllm_kvprune.worker import runtime
 from vllm_kvprune.worker.features import LayerFeatures, UnsupportedModelError, refusal
 from vllm_kvprune.worker.positions import sink_rotation
 from vllm_kvprune.worker.state import StepRows, WorkerKVState
+
+logger = logging.getLogger("vllm_kvprune")
 
 
 class KVPruneCPUModelRunner(CPUModelRunner):
@@ -67,6 +71,12 @@ class KVPruneCPUModelRunner(CPUModelRunner):
                 f"{len(groups)} groups (first layers {names}); exactly one is supported")
         self.policy_group = groups[0]
         group = kv_cache_config.kv_cache_groups[self.policy_group]
+        windowed = [g for g in kv_cache_config.kv_cache_groups if isinstance(g.kv_cache_spec, SlidingWindowSpec)]
+        if windowed:
+            logger.info("kvprune: %s prunes the %d full-attention layers; %d sliding-window layers (window %s) "
+                        "keep vLLM's own cache", name, len(group.layer_names),
+                        sum(len(g.layer_names) for g in windowed),
+                        sorted({g.kv_cache_spec.sliding_window for g in windowed}))
         spec = group.kv_cache_spec
         self.kv_state.bind_cache(list(group.layer_names), kv_cache_config.num_blocks, spec.block_size,
                                  self.model_config.get_total_num_kv_heads(), spec.num_kv_heads)
