@@ -29,7 +29,14 @@ BAD_FLAGS = [
     (["--kv-policy", "h2o", "--kv-budget", "256", "--kv-recent", "300"], "--kv-recent: must be at most budget - 1 - sinks"),
     (["--kv-policy", "h2o", "--kv-budget", "256", "--kv-prefill", "streaming"],
      "--kv-prefill: policy 'h2o' supports only 'full'"),
-    (["--kv-policy", "gvote"], "policy gvote is not available yet"),
+    (["--kv-policy", "fdc"], "policy fdc is not available yet"),
+    (["--kv-policy", "gvote", "--kv-gvote-p", "1.5"], "--kv-gvote-p: must be a number in (0, 1]"),
+    (["--kv-policy", "gvote", "--kv-gvote-p", "most"], "--kv-gvote-p: must be a number"),
+    (["--kv-policy", "gvote", "--kv-gvote-samples", "0"], "--kv-gvote-samples: must be positive"),
+    (["--kv-policy", "gvote", "--kv-gvote-future", "2.5"], "--kv-gvote-future: must be an integer"),
+    (["--kv-policy", "gvote", "--kv-gvote-seed", "-1"], "--kv-gvote-seed: must be >= 0"),
+    (["--kv-policy", "gvote", "--kv-budget", "256"], "--kv-budget: policy 'gvote' chooses its own footprint"),
+    (["--kv-policy", "gvote", "--kv-prefill", "streaming"], "--kv-prefill: policy 'gvote' supports only 'full'"),
 ]
 
 
@@ -55,7 +62,8 @@ def test_serve_help_shows_the_kv_flags():
     result = run("serve", "--help=all")
     assert result.returncode == 0, result.stderr[-2000:]
     for flag in ["--kv-policy", "--kv-budget", "--kv-sinks", "--kv-window", "--kv-recent", "--kv-prune-interval",
-                 "--kv-positions", "--kv-config"]:
+                 "--kv-positions", "--kv-gvote-p", "--kv-gvote-samples", "--kv-gvote-future", "--kv-gvote-seed",
+                 "--kv-config"]:
         assert flag in result.stdout
     assert "KV policy (vllm-kvprune)" in result.stdout
 

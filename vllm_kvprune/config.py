@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 ALL_POLICIES = ("none", "streaming", "h2o", "paged_eviction", "gvote", "fdc")
 # Policies whose mechanism is built; the others fail at start-up, never silently run as `none`.
-AVAILABLE_POLICIES = ("none", "streaming", "h2o", "paged_eviction")
+AVAILABLE_POLICIES = ("none", "streaming", "h2o", "paged_eviction", "gvote")
 # Policies with a token budget; GVote picks its own per request, FDC keeps every token.
 BUDGETED_POLICIES = ("streaming", "h2o", "paged_eviction")
 # Policies that evict whole blocks at decode, each layer its own (the rest evict tokens).
@@ -27,8 +27,12 @@ SCORED_POLICIES = ("h2o", "paged_eviction")
 POSITION_MODES = ("original", "cache")
 PREFILL_MODES = ("full", "streaming")
 ADDITIONAL_CONFIG_KEY = "kv_policy"
+# Policies whose footprint the worker learns from the data and reports to the scheduler
+# (per-head kept lengths in head-pages); they have no budget and no fixed cap.
+FOOTPRINT_POLICIES = ("gvote",)
 # Per-request override keys (SamplingParams.extra_args / OpenAI vllm_xargs) -> config field.
-REQUEST_KEYS = {"kv_budget": "budget", "kv_sinks": "sinks", "kv_window": "window", "kv_recent": "recent"}
+REQUEST_KEYS = {"kv_budget": "budget", "kv_sinks": "sinks", "kv_window": "window", "kv_recent": "recent",
+                "kv_gvote_p": "gvote_p", "kv_gvote_samples": "gvote_samples"}
 
 
 class KVConfigError(ValueError):
@@ -71,6 +75,11 @@ class KVPolicyConfig:
     `budget + R - 1` and then evicts in one batch (lazy pruning). `recent` (`h2o`) is the
     window of newest tokens every head keeps; the rest of `budget - 1 - sinks` goes to
     heavy hitters (default: half of `budget - sinks` each).
+
+    `gvote_*` (GVote, budget-free): `gvote_p` the nucleus threshold whose top-p set of the
+    last prompt token's query sets each query head's step budget, `gvote_samples` the
+    synthetic queries that vote, `gvote_future` the future positions whose RoPE cos/sin
+    they are rotated with (averaged), `gvote_seed` the seed of their sampling (per layer).
     """
 
     name: str = "none"
@@ -82,6 +91,10 @@ class KVPolicyConfig:
     positions: str = "original"
     prefill: str = "full"
     prefill_chunk: int = 256
+    gvote_p: float = 0.95
+    gvote_samples: int = 8
+    gvote_future: int = 16
+    gvote_seed: int = 0
 
     @property
     def active(self) -> bool:
@@ -132,6 +145,19 @@ class KVPolicyConfig:
             _check_int(self.window, name_of("window"), minimum=1)
         if self.recent is not None:
             _check_int(self.recent, name_of("recent"), minimum=0)
+        _check_fraction(self.gvote_p, name_of("gvote_p"))
+        _check_int(self.gvote_samples, name_of("gvote_samples"), minimum=1)
+        _check_int(self.gvote_future, name_of("gvote_future"), minimum=1)
+        _check_int(self.gvote_seed, name_of("gvote_seed"), minimum=0)
+        if self.name in FOOTPRINT_POLICIES:
+            if self.budget is not None or self.window is not None:
+                given = "budget" if self.budget is not None else "window"
+                raise KVConfigError(name_of(given), f"policy {self.name!r} chooses its own footprint; remove it")
+            if self.positions != "original":
+                raise KVConfigError(name_of("positions"), f"policy {self.name!r} supports only 'original'")
+            if self.prefill != "full":
+                raise KVConfigError(name_of("prefill"), f"policy {self.name!r} supports only 'full' (it votes "
+                                    "once over the whole prompt)")
         if self.name not in BUDGETED_POLICIES:
             return self
         budget = self._resolved_budget(name_of)
@@ -207,6 +233,11 @@ class KVPolicyConfig:
                 )
 
     # ---- capacity (the same pure function on scheduler and worker) ------------------
+    @property
+    def reports_footprint(self) -> bool:
+        """Whether the worker tells the scheduler what each request needs (no fixed cap)."""
+        return self.name in FOOTPRINT_POLICIES
+
     def cap_blocks(self, block_size: int) -> int:
         """Blocks a request keeps after prefill: the budget plus the lazy-pruning slack
         (R - 1 spare blocks for block policies, which evict R blocks every R block fills)."""
@@ -238,6 +269,9 @@ class KVPolicyConfig:
         never more than `max_model_len` tokens need. A pool with this many usable blocks
         always serves the request, however long it waits for others to finish."""
         whole_model_len = -(-max_model_len // block_size)
+        if self.reports_footprint:
+            # Nothing bounds what a voted request keeps: its prompt and outputs, at most.
+            return whole_model_len
         prefill = self.prefill_cap_blocks(block_size) or 0
         if num_prompt_tokens is not None:
             prefill = self.prompt_blocks(block_size, num_prompt_tokens)
@@ -248,6 +282,11 @@ class KVPolicyConfig:
         overrides = request_overrides(extra_args)
         if not overrides:
             return self
+        # gvote's knobs are gvote's only, and gvote has no budget, sinks or window.
+        foreign = [key for key, field in REQUEST_KEYS.items()
+                   if field in overrides and field.startswith("gvote_") != (self.name == "gvote")]
+        if foreign:
+            raise KVConfigError(foreign[0], f"does not apply to kv_policy {self.name}")
         return self.with_overrides(overrides, REQUEST)
 
 
@@ -270,6 +309,11 @@ def _check_int(value: Any, setting: str, minimum: int) -> None:
     if value < minimum:
         bound = "positive" if minimum == 1 else f">= {minimum}"
         raise KVConfigError(setting, f"must be {bound}, got {value}")
+
+
+def _check_fraction(value: Any, setting: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise KVConfigError(setting, f"must be a number in (0, 1], got {value!r}")
 
 
 def _check_choice(value: Any, setting: str, choices: tuple[str, ...]) -> None:
@@ -330,6 +374,10 @@ class CLIFlags:
     positions: str | None = None
     prefill: str | None = None
     prefill_chunk: int | None = None
+    gvote_p: float | None = None
+    gvote_samples: int | None = None
+    gvote_future: int | None = None
+    gvote_seed: int | None = None
     config: str | None = None
 
     def merged_with(self, base: KVPolicyConfig | None) -> KVPolicyConfig | None:

@@ -120,25 +120,40 @@ def _add_kv_flags(parser):
                        help="full: prefill the whole prompt then prune; streaming: prune between chunks.")
     group.add_argument("--kv-prefill-chunk", type=str, default=None, metavar="TOKENS",
                        help="Chunk size of a streaming prefill (default 256).")
+    group.add_argument("--kv-gvote-p", type=str, default=None, metavar="P",
+                       help="gvote: nucleus threshold setting each query head's vote size (default 0.95).")
+    group.add_argument("--kv-gvote-samples", type=str, default=None, metavar="S",
+                       help="gvote: synthetic future queries that vote (default 8).")
+    group.add_argument("--kv-gvote-future", type=str, default=None, metavar="N",
+                       help="gvote: future positions whose RoPE the synthetic queries average (default 16).")
+    group.add_argument("--kv-gvote-seed", type=str, default=None, metavar="SEED",
+                       help="gvote: seed of the synthetic queries (default 0).")
     group.add_argument("--kv-config", type=str, default=None, metavar="FILE.yaml",
                        help="YAML file of KV policy settings; --kv-* flags override it.")
     return parser
 
 
-_INT_FLAGS = ("budget", "sinks", "window", "recent", "prune_interval", "prefill_chunk")
+_INT_FLAGS = ("budget", "sinks", "window", "recent", "prune_interval", "prefill_chunk", "gvote_samples",
+              "gvote_future", "gvote_seed")
+_FLOAT_FLAGS = ("gvote_p",)
 
 
 def flags_from_namespace(args) -> CLIFlags:
     """The `--kv-*` values of a parsed namespace, with integers checked."""
     values = {}
     for name in ("policy", "budget", "sinks", "window", "recent", "prune_interval", "positions", "prefill",
-                 "prefill_chunk", "config"):
+                 "prefill_chunk", "gvote_p", "gvote_samples", "gvote_future", "gvote_seed", "config"):
         raw = getattr(args, f"kv_{name}", None)
         if raw is not None and name in _INT_FLAGS:
             try:
                 raw = int(raw)
             except ValueError:
                 raise KVConfigError(CLI.name(name), f"must be an integer, got {raw!r}") from None
+        if raw is not None and name in _FLOAT_FLAGS:
+            try:
+                raw = float(raw)
+            except ValueError:
+                raise KVConfigError(CLI.name(name), f"must be a number, got {raw!r}") from None
         values[name] = raw
     return CLIFlags(**values)
 
@@ -186,6 +201,11 @@ def _prepare_engine_args(engine_args) -> KVPolicyConfig | None:
             f"kv_policy {policy.name!r} cannot run with speculative decoding: a multi-token "
             "decode step would attend over evicted slots; remove --speculative-config"
         )
+    if policy.name == "gvote" and not engine_args.enforce_eager:
+        # The vote reads each layer's query-projection input through a module hook, which a
+        # compiled graph would not run.
+        logger.info("kvprune: gvote runs the model eagerly (--enforce-eager)")
+        engine_args.enforce_eager = True
     if engine_args.enable_prefix_caching is not False:
         logger.info("kvprune: prefix caching turned off (pruned blocks must never be shared)")
         engine_args.enable_prefix_caching = False

@@ -168,6 +168,18 @@ HOOKS: tuple[Hook, ...] = (
     Hook("read", "vllm.model_executor.layers.rotary_embedding.base:RotaryEmbeddingBase._compute_cos_sin_cache",
          "an fp32 copy of the layer's RoPE table", ("self",)),
     Hook("read", "vllm.distributed.parallel_state:get_tp_group", "block scores summed over TP ranks", ()),
+    # Head-pages (gvote): the worker reports each request's footprint on the step output, the
+    # scheduler frees and allocates by it; attention runs per (request, KV head) sequence.
+    Hook("override", f"{_RUNNER}:CPUModelRunner.sample_tokens", "reports head-page footprints",
+         ("self", "grammar_output")),
+    Hook("read", "vllm.v1.outputs:ModelRunnerOutput", "carries the footprints", attributes=("req_ids",)),
+    Hook("override", f"{_SCHED}:Scheduler.update_from_output", "frees what a vote gave back",
+         ("self", "scheduler_output", "model_runner_output")),
+    Hook("read", "vllm._custom_ops:cpu_attn_get_scheduler_metadata", "schedules head-page attention",
+         ("num_reqs", "num_heads", "num_kv_heads", "head_dim", "seq_lens", "dtype", "query_start_loc", "causal",
+          "sliding_window_size", "isa", "enable_kv_split")),
+    Hook("read", f"{_CPU_ATTN}:CPUAttentionMetadataBuilder", "what its schedule call uses",
+         attributes=("dtype", "head_dim", "isa", "window_size", "kv_cache_dtype", "num_heads", "num_kv_heads")),
 )
 
 # Classes our code subclasses or names, importable from here (resolved lazily: importing this
@@ -537,6 +549,54 @@ def rope_rotation(rope: Any) -> Callable[[Any, Any], Any] | None:
         return rotated.view_as(keys).to(keys.dtype)
 
     return rotate
+
+
+def rope_at_average(rope: Any, query: Any, first_position: int, count: int) -> Any:
+    """`query [n, Hq, D]` rotated with `rope`'s cos and sin averaged over positions
+    `first_position .. first_position + count - 1` (GVote's synthetic future queries), in
+    the layer's own style; the table is recomputed in fp32 (scaled tables keep their scale,
+    as real queries get it)."""
+    import torch
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    table = rope._compute_cos_sin_cache().to(torch.float32)
+    rows = torch.arange(first_position, first_position + count).clamp(max=table.shape[0] - 1)
+    averaged = table[rows].mean(dim=0, keepdim=True)
+    flat = query.float().reshape(query.shape[0], -1)
+    rotated, _ = RotaryEmbedding.forward_static(torch.zeros(query.shape[0], dtype=torch.int64), flat, None,
+                                                rope.head_size, rope.rotary_dim, averaged, rope.is_neox_style)
+    return rotated.view_as(query)
+
+
+def attention_schedule(builder: Any, num_reqs: int, num_heads: int, num_kv_heads: int, seq_lens: Any,
+                       query_start_loc: Any) -> Any:
+    """vLLM's CPU attention schedule for a batch other than the builder's own (head-pages:
+    one sequence per request and KV head), with the builder's dtype, ISA and window."""
+    from vllm import _custom_ops as ops
+    from vllm import envs
+
+    return ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=num_reqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=builder.head_dim,
+        seq_lens=seq_lens, dtype=builder.dtype, query_start_loc=query_start_loc, causal=True,
+        sliding_window_size=builder.window_size, isa=builder.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+        kv_cache_dtype=builder.kv_cache_dtype)
+
+
+FOOTPRINTS_ATTRIBUTE = "kvprune_footprints"
+
+
+def attach_footprints(output: Any, footprints: dict) -> Any:
+    """The step output with each head-page request's block need attached (a shallow copy:
+    vLLM may hand out a shared empty output)."""
+    import copy
+
+    output = copy.copy(output)
+    setattr(output, FOOTPRINTS_ATTRIBUTE, footprints)
+    return output
+
+
+def footprints_of(output: Any) -> dict:
+    return getattr(output, FOOTPRINTS_ATTRIBUTE, None) or {}
 
 
 def attention_isa(dtype: Any, block_size: int, head_size: int) -> str:

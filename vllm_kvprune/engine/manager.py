@@ -24,6 +24,9 @@ class KVPruneManager(FullAttentionManager):
       and nothing is allocated past it (the worker has compacted the survivors into the
       first `cap` blocks by the end of that prefill step);
     - no block is ever prefix-cached: pruned contents must never be served as a hit.
+    A policy that reports its footprint (`gvote`) has no fixed cap: past its prompt a request
+    holds exactly the blocks the worker last said its kept tokens and next token need
+    (`set_footprint`, from the step output); what a vote gives back is freed at once.
     """
 
     def __init__(self, *args, **kwargs) -> None:
@@ -32,6 +35,8 @@ class KVPruneManager(FullAttentionManager):
         self._prompt_of: PromptLookup = lambda request_id: None
         # Requests whose prompt has been processed since they were (re)scheduled.
         self._past_prompt: set[str] = set()
+        # Footprint policies: blocks each request needs for its next step, from the worker.
+        self._footprints: dict[str, int] = {}
 
     def bind_policies(self, policy_of: PolicyLookup, prompt_of: PromptLookup | None = None) -> None:
         """Called by the scheduler, which owns the per-request policies and prompts."""
@@ -44,6 +49,9 @@ class KVPruneManager(FullAttentionManager):
         policy = self._policy_of(request_id)
         if policy is None or not policy.active:
             return None
+        if policy.reports_footprint:
+            # The whole prompt while it is prefilled, then what the worker reports.
+            return self._footprints.get(request_id) if request_id in self._past_prompt else None
         cap = policy.cap_blocks(self.block_size)
         if request_id in self._past_prompt:
             return cap
@@ -74,6 +82,16 @@ class KVPruneManager(FullAttentionManager):
         if num_prompt_tokens is None or processed_computed_tokens < num_prompt_tokens:
             return
         self._past_prompt.add(request_id)
+        self._trim(request_id)
+
+    def set_footprint(self, request_id: str, num_blocks: int) -> None:
+        """The worker's count of blocks the request needs for its next step (it reports only
+        requests past their prompt); the surplus is freed at once."""
+        self._footprints[request_id] = num_blocks
+        self._past_prompt.add(request_id)
+        self._trim(request_id)
+
+    def _trim(self, request_id: str) -> None:
         limit = self.block_limit(request_id)
         blocks = self.req_to_blocks.get(request_id)
         if limit is None or not blocks or len(blocks) <= limit:
@@ -86,6 +104,7 @@ class KVPruneManager(FullAttentionManager):
         # Finish, abort and preemption all come through here; a resumed request
         # re-prefills, so it is "in its prompt" again.
         self._past_prompt.discard(request_id)
+        self._footprints.pop(request_id, None)
         return super().pop_blocks_for_free(request_id)
 
     def cache_blocks(self, *args, **kwargs) -> None:

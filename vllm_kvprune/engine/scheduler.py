@@ -78,6 +78,11 @@ class KVPruneScheduler(Scheduler):
         if not self.kvprune_managers or not self.kv_policy.active:
             return
         policy, block_size = self.kv_policy, self.kvprune_managers[0].block_size
+        if policy.reports_footprint:
+            logger.info("kvprune: policy %s; the KV pool holds %d blocks (%d tokens); each request keeps what "
+                        "its vote chooses, per KV head in head-pages, and the surplus goes back to the pool",
+                        policy.name, self.usable_blocks, self.usable_blocks * block_size)
+            return
         cap = policy.cap_blocks(block_size)
         longest = self.usable_blocks - self._other_group_blocks
         if policy.prefill == "full":
@@ -108,6 +113,15 @@ class KVPruneScheduler(Scheduler):
                     needed, self.usable_blocks,
                 )
                 vllm_hooks.fail_at_next_step(self, request.request_id)
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        # Head-page policies: what each voted request needs for its next token, as the worker
+        # counted it; a vote's surplus goes back to the pool now.
+        for request_id, num_blocks in vllm_hooks.footprints_of(model_runner_output).items():
+            if request_id in self.requests:
+                for manager in self.kvprune_managers:
+                    manager.set_footprint(request_id, num_blocks)
+        return super().update_from_output(scheduler_output, model_runner_output)
 
     def _free_request(self, request, *args, **kwargs):
         result = super()._free_request(request, *args, **kwargs)

@@ -5,6 +5,7 @@ with a contiguous per-layer cache.  See DESIGN.md section 7.
 * :mod:`.streaming`: StreamingLLM (``python -m vllm_kvprune.reference.streaming --help``).
 * :mod:`.paged_eviction`: PagedEviction (token pruning at prefill, block eviction at decode).
 * :mod:`.h2o`: H2O (heavy hitters by attention mass, per KV head, with eager attention).
+* :mod:`.gvote`: GVote (per-head keep sets voted by synthetic Gaussian queries, no budget).
 """
 
 from .model import (
@@ -21,6 +22,7 @@ from .model import (
 __all__ = [
     "BudgetedReference",
     "ContiguousKVCache",
+    "GVoteReference",
     "H2OReference",
     "PagedEvictionReference",
     "ReferenceOutput",
@@ -43,6 +45,10 @@ def __getattr__(name: str):
         from .h2o import H2OReference
 
         return H2OReference
+    if name == "GVoteReference":
+        from .gvote import GVoteReference
+
+        return GVoteReference
     if name == "PagedEvictionReference":
         from .paged_eviction import PagedEvictionReference
 

@@ -198,12 +198,15 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def _attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_past: int, scale: float, want_probs: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_past: int, scale: float, want_probs: bool,
+    key_keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Eager causal attention of ``q`` new tokens over ``n_past`` cached keys + themselves.
 
     q ``[Hq, q, d]``, k/v ``[Hkv, n_past + q, d]``; GQA by grouping query heads (query head
     ``h`` uses KV head ``h // (Hq // Hkv)``).  Scores, softmax and the weighted sum in fp32.
+    ``key_keep`` (optional, bool ``[Hkv, n_past + q]``): keys marked False are hidden from
+    every query of their KV head (score -inf), on top of the causal mask.
     Returns the output ``[Hq, q, d]`` (fp32) and optionally the probabilities ``[Hq, q, n]``.
     """
     hq, nq, d = q.shape
@@ -220,6 +223,8 @@ def _attention(
         # New token i (0-based in the step) sees the n_past cached keys and new tokens 0..i.
         limit = n_past + torch.arange(start, stop, device=q.device)
         allowed = key_idx.unsqueeze(0) <= limit.unsqueeze(1)  # [rows, nk]
+        if key_keep is not None:
+            allowed = allowed & key_keep[:, None, None, :]  # [hkv, 1, rows, nk]
         scores = scores.masked_fill(~allowed, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[:, :, start:stop] = torch.einsum("hgqk,hkd->hgqd", probs, vf)
@@ -239,6 +244,8 @@ def forward_step(
     query_rope_positions: torch.Tensor | Sequence[int] | None = None,
     key_rope_positions: torch.Tensor | Sequence[int] | None = None,
     output_attentions: bool = False,
+    key_keep: Sequence[torch.Tensor] | None = None,
+    capture: dict | None = None,
 ) -> StepOutput:
     """Run ``q`` new tokens through the decoder against ``cache`` and append their K/V to it.
 
@@ -250,6 +257,14 @@ def forward_step(
     (``[n + q]`` or ``[kv_heads, n + q]``; default ``0..n+q-1``, i.e. positions in the cache).
 
     Each new token attends to the whole cache plus the new tokens up to itself (causal).
+
+    ``key_keep`` (optional): one bool tensor per layer, ``[kv_heads, n + q]`` (the cache before
+    the step, in cache order, then the new tokens); a False key is hidden from every query of
+    its KV head in that layer (head-wise pruning without moving the cache).  Keep the new tokens
+    visible, or a row may see no key at all.
+    ``capture`` (optional dict): filled with ``"q_input"``, per layer the input of ``q_proj``
+    (``input_layernorm(h)``, ``[q, hidden]``), and ``"query"``, per layer the post-RoPE query
+    ``[Hq, q, head_dim]``.
     """
     dec = _decoder(model)
     device = dec.embed_tokens.weight.device
@@ -263,6 +278,10 @@ def forward_step(
     h = dec.embed_tokens(ids)  # [q, hidden]
     n_past = len(cache)
     cos_q, sin_q = rope_cos_sin(model, qpos, h)  # [q, d]
+    if key_keep is not None and len(key_keep) != len(dec.layers):
+        raise ValueError("key_keep needs one mask per layer")
+    if capture is not None:
+        capture["q_input"], capture["query"] = [], []
     if cache.rope == "pre":
         if key_rope_positions is None:
             kpos = torch.arange(n_past + nq, device=device)
@@ -285,6 +304,9 @@ def forward_step(
         if getattr(attn, "k_norm", None) is not None:
             k = attn.k_norm(k)
         q = rotate(q, cos_q, sin_q)
+        if capture is not None:
+            capture["q_input"].append(x)
+            capture["query"].append(q)
         if cache.rope == "post":
             k = rotate(k, cos_q, sin_q)
             cache.append(layer_idx, k, v, pos)
@@ -294,7 +316,13 @@ def forward_step(
             keys = rotate(cache.k[layer_idx], cos_k, sin_k)
         values = cache.v[layer_idx]
         scale = getattr(attn, "scaling", d**-0.5)
-        o, probs = _attention(q, keys, values, n_past, scale, output_attentions)
+        keep = None
+        if key_keep is not None:
+            keep = torch.as_tensor(key_keep[layer_idx], dtype=torch.bool, device=device)
+            if keep.shape != (keys.shape[0], keys.shape[1]):
+                raise ValueError(f"key_keep[{layer_idx}] must be [kv_heads, n + q] = "
+                                 f"{(keys.shape[0], keys.shape[1])}, got {tuple(keep.shape)}")
+        o, probs = _attention(q, keys, values, n_past, scale, output_attentions, keep)
         if attentions is not None:
             attentions.append(probs)
         o = o.to(h.dtype).transpose(0, 1).reshape(nq, -1)

@@ -15,6 +15,7 @@ import dataclasses
 import os
 import time
 
+import numpy as np
 import torch
 
 from vllm_kvprune import kernels, vllm_hooks
@@ -28,6 +29,7 @@ from vllm_kvprune.vllm_hooks import (
 )
 from vllm_kvprune.worker import runtime
 from vllm_kvprune.worker.head_map import SKIP
+from vllm_kvprune.worker.head_page_map import global_head_slots
 from vllm_kvprune.worker.state import StepPlan
 
 # Decode-only steps of head-wise policies compute attention and mass in one pass of our
@@ -58,9 +60,22 @@ class KVPruneMetadataBuilder(CPUAttentionMetadataBuilder):
             common_attn_metadata, seq_lens=plan.seq_lens, max_seq_len=int(plan.seq_lens.max())
         )
         metadata = super().build(common_prefix_len, physical, fast_build)
+        if plan.page_attention is not None:
+            self._schedule_pages(plan.page_attention)
         metadata.kvprune_plan = plan
         metadata.kvprune_layer_tables = _layer_block_tables(metadata.block_table, plan, worker_state)
         return metadata
+
+
+    def _schedule_pages(self, pages) -> None:
+        """vLLM's kernel schedule for each layer's head-page sequences (one per row and KV
+        head: a KV head's query group is the sequence's heads)."""
+        group = self.num_heads // self.num_kv_heads
+        num_sequences = len(pages.query_start_loc) - 1
+        pages.schedules = [
+            vllm_hooks.attention_schedule(self, num_sequences, group, 1, seq_lens, pages.query_start_loc)
+            for seq_lens in pages.seq_lens
+        ]
 
 
 def _layer_block_tables(block_table: torch.Tensor, plan: StepPlan, worker_state) -> torch.Tensor | None:
@@ -94,6 +109,9 @@ class KVPruneImpl(CPUAttentionBackendImpl):
             return
         if plan is not None and plan.head_slot_mapping is not None:
             self._write_per_head(layer, key, value, kv_cache, plan)
+            return
+        if plan is not None and plan.page_slot_mapping is not None:
+            self._write_head_pages(layer, key, value, kv_cache, plan)
             return
         if plan is not None:
             layout = _layout_of(layer, kv_cache)
@@ -135,6 +153,59 @@ class KVPruneImpl(CPUAttentionBackendImpl):
         kernels.write_slots(key[:num_tokens], value[:num_tokens], kv_cache, slots, layout)
         mass.reset(layer_index, slots)
 
+    def _write_head_pages(self, layer, key, value, kv_cache, plan: StepPlan) -> None:
+        """Head-page policies: each new token's K/V of every head into that head's own page."""
+        slots = plan.page_slot_mapping[_layer_index(layer)]  # [T, H]
+        num_tokens, num_heads = slots.shape
+        pages = _head_page_view(kv_cache)
+        kernels.write_slots(key[:num_tokens].reshape(num_tokens * num_heads, 1, -1),
+                            value[:num_tokens].reshape(num_tokens * num_heads, 1, -1), pages, slots.reshape(-1),
+                            _layout_of(layer, kv_cache))
+
+    def _attend_head_pages(self, layer, query, kv_cache, attn_metadata, plan: StepPlan, output) -> None:
+        """Every row's KV head as its own sequence over head-pages: queries permuted to
+        `[H, T, G, D]` so each sequence's queries are contiguous, vLLM's kernel, then back."""
+        pages, layer_index = plan.page_attention, _layer_index(layer)
+        num_tokens, num_kv_heads = pages.num_tokens, self.num_kv_heads
+        group = self.num_heads // num_kv_heads
+        grouped = query[:num_tokens].reshape(num_tokens, num_kv_heads, group, self.head_size)
+        sequences = grouped.transpose(0, 1).contiguous().view(num_kv_heads * num_tokens, group, self.head_size)
+        attended = torch.empty_like(sequences)
+        metadata = dataclasses.replace(
+            attn_metadata, num_actual_tokens=num_kv_heads * num_tokens, query_start_loc=pages.query_start_loc,
+            seq_lens=pages.seq_lens[layer_index], block_table=pages.block_tables[layer_index],
+            scheduler_metadata=pages.schedules[layer_index], max_seq_len=int(pages.seq_lens[layer_index].max()),
+        )
+        super().forward(layer, sequences, None, None, _head_page_view(kv_cache), metadata, attended)
+        output[:num_tokens].view(num_tokens, num_kv_heads, group, self.head_size).copy_(
+            attended.view(num_kv_heads, num_tokens, group, self.head_size).transpose(0, 1))
+
+    def _vote(self, layer, query, kv_cache, plan: StepPlan) -> None:
+        """After a prompt's last chunk has attended: this layer's vote, and each head's kept
+        tokens packed into the layer's first head-pages (sources are read before any write)."""
+        worker_state = runtime.worker_state()
+        paged_layers = worker_state.scores
+        layer_index = _layer_index(layer)
+        voter = paged_layers.voters[layer.layer_name]
+        layout = _layout_of(layer, kv_cache)
+        block_size, num_heads = kv_cache.shape[2], kv_cache.shape[1]
+        sources, destinations = [], []
+        for vote in plan.votes:
+            state = vote.state
+            prompt = np.arange(vote.num_prompt)
+            prompt_slots = vote.block_row[prompt // block_size].astype(np.int64) * block_size + prompt % block_size
+            keys, _ = kernels.read_slots(kv_cache, torch.from_numpy(prompt_slots), layout)  # [P, H, D]
+            keep = voter.vote(state.config, state.policy, query[vote.last_token].float(), keys.transpose(0, 1),
+                              state.hidden_sum[layer_index], state.hidden_sumsq[layer_index],
+                              int(state.hidden_count[layer_index]))
+            moved_from, moved_to = state.pages.apply_layer_vote(layer_index, keep)
+            sources.append(global_head_slots(vote.block_row, moved_from, num_heads, block_size))
+            destinations.append(global_head_slots(vote.block_row, moved_to, num_heads, block_size))
+            if state.pages.is_paged:
+                state.hidden_sum = state.hidden_sumsq = state.hidden_count = None  # the prompt is done
+        kernels.copy_slots(_head_page_view(kv_cache), torch.from_numpy(np.concatenate(sources)),
+                           torch.from_numpy(np.concatenate(destinations)), layout)
+
     def _accumulate_mass(self, layer, query, kv_cache, attn_metadata, plan: StepPlan,
                          output: torch.Tensor | None = None) -> None:
         """Add this step's attention probabilities to each kept token's mass, per KV head, in
@@ -161,7 +232,12 @@ class KVPruneImpl(CPUAttentionBackendImpl):
             self._accumulate_mass(layer, query, kv_cache, attn_metadata, plan,
                                   output=output[:num_tokens].view(num_tokens, self.num_heads, self.head_size))
             return output
-        output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        if plan is not None and plan.page_attention is not None:
+            self._attend_head_pages(layer, query, kv_cache, attn_metadata, plan, output)
+        else:
+            output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        if plan is not None and plan.votes:
+            self._vote(layer, query, kv_cache, plan)
         if plan is not None and plan.mass_queries is not None:
             self._accumulate_mass(layer, query, kv_cache, attn_metadata, plan)
         if plan is not None and plan.post_moves is not None:
@@ -224,6 +300,12 @@ class KVPruneImpl(CPUAttentionBackendImpl):
         rotate = runtime.worker_state().sink_rotations[layer.layer_name]
         rotated = rotate(torch.cat(keys), torch.cat(shifts))
         kernels.write_slots(rotated, torch.cat(values), kv_cache, torch.cat(slots), layout)
+
+
+def _head_page_view(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The layer cache as one KV head per page, `[num_blocks * H, 1, block_size, 2D]`."""
+    num_blocks, num_heads, block_size, packed = kv_cache.shape
+    return kv_cache.view(num_blocks * num_heads, 1, block_size, packed)
 
 
 def _softcap(impl) -> float:

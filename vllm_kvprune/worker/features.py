@@ -4,21 +4,25 @@ The worker reads every attention layer as vLLM built it (its impl's window, soft
 sinks, cache dtype, attention type, KV sharing, and the RoPE the layer applies) and decides
 once, before the KV cache exists:
 
-| feature                         | streaming          | paged_eviction     | h2o                |
-|---------------------------------|--------------------|--------------------|--------------------|
-| sliding-window layer            | left to vLLM       | left to vLLM       | left to vLLM       |
-| every layer sliding-window      | refused            | refused            | refused            |
-| logit soft-capping              | yes (vLLM kernel)  | yes (vLLM kernel)  | yes (our kernel)   |
-| attention sinks (learned)       | yes (vLLM kernel)  | yes (vLLM kernel)  | refused            |
-| ALiBi                           | refused            | refused            | refused            |
-| fp8 KV cache                    | refused            | refused            | refused            |
-| non-decoder attention, KV reuse | refused            | refused            | refused            |
+| feature                         | streaming          | paged_eviction     | h2o                | gvote              |
+|---------------------------------|--------------------|--------------------|--------------------|--------------------|
+| sliding-window layer            | left to vLLM       | left to vLLM       | left to vLLM       | left to vLLM       |
+| every layer sliding-window      | refused            | refused            | refused            | refused            |
+| logit soft-capping              | yes (vLLM kernel)  | yes (vLLM kernel)  | yes (our kernel)   | refused            |
+| attention sinks (learned)       | yes (vLLM kernel)  | yes (vLLM kernel)  | refused            | refused            |
+| ALiBi                           | refused            | refused            | refused            | refused            |
+| fp8 KV cache                    | refused            | refused            | refused            | refused            |
+| non-decoder attention, KV reuse | refused            | refused            | refused            | refused            |
+| no fused QKV projection + RoPE  | yes                | yes                | yes                | refused            |
 | `positions: cache`              | the layer's own RoPE if plain (any style, partial, scaled), else refused | - | - |
 
 Why: the policies reorder a request's slots (EQUIP), so everything vLLM's kernel derives
 from a key's slot index is wrong after an eviction: a sliding window (physical distance) and
 ALiBi (physical distance) are; soft-capping and learned sinks are not (per logit, per head),
-and vLLM's kernel applies them. `h2o`'s decode attention runs in our mass kernel, which
+and vLLM's kernel applies them. `gvote`'s vote computes logits itself (no soft-cap yet),
+its head-page attention hands the kernel one KV head's query group per sequence (a model's
+per-query-head sinks would not follow), and its synthetic queries need the layer's fused
+QKV projection and rotary embedding. `h2o`'s decode attention runs in our mass kernel, which
 implements soft-capping but not sinks. Our slot kernels move K/V in the model dtype, not fp8
 with scales. Sliding-window layers of a hybrid model (Gemma 2/3) keep vLLM's own cache and
 manager: the policy prunes the full-attention layers, which is where the memory goes.
@@ -93,8 +97,10 @@ def refusal(config: KVPolicyConfig, layers: list[LayerFeatures],
             return refused(f"KV cache dtype {layer.kv_cache_dtype}", layer, "use --kv-cache-dtype auto")
         if layer.alibi:
             return refused("ALiBi", layer, "its biases follow slot order, which eviction changes")
-        if layer.sinks and policy == "h2o":
+        if layer.sinks and policy in ("h2o", "gvote"):
             return refused("attention sinks", layer, "use streaming or paged_eviction")
+        if layer.softcap and policy == "gvote" and layer.pruned:
+            return refused("logit soft-capping", layer, "use streaming, h2o or paged_eviction")
     pruned = [layer for layer in layers if layer.pruned]
     if not pruned:
         return refused("sliding-window attention", layers[0],

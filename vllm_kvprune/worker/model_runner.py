@@ -11,7 +11,8 @@ from vllm_kvprune.vllm_hooks import CPUModelRunner, SlidingWindowSpec
 from vllm_kvprune.worker import runtime
 from vllm_kvprune.worker.features import LayerFeatures, UnsupportedModelError, refusal
 from vllm_kvprune.worker.positions import sink_rotation
-from vllm_kvprune.worker.state import StepRows, WorkerKVState
+from vllm_kvprune.worker.state import PagedLayers, StepRows, WorkerKVState
+from vllm_kvprune.worker.voting import LayerVoter, gather_hidden
 
 logger = logging.getLogger("vllm_kvprune")
 
@@ -46,9 +47,21 @@ class KVPruneCPUModelRunner(CPUModelRunner):
             return why
 
         problem = refusal(config, layers, rope_ok)
+        if problem is None and config.name == "gvote":
+            problem = self._voting_problem([layer.name for layer in layers if layer.pruned])
         if problem is not None:
             raise UnsupportedModelError(problem)
         self.kv_state.sink_rotations = rotations
+
+    def _voting_problem(self, layer_names: list[str]) -> str | None:
+        """GVote projects synthetic hidden states with the layer's own QKV projection and RoPE."""
+        for layer_name in layer_names:
+            owner = self.model.get_submodule(layer_name.rsplit(".", 1)[0])
+            if not hasattr(owner, "qkv_proj"):
+                return f"gvote: attention without a fused QKV projection ({layer_name}) is not supported"
+            if vllm_hooks.rope_rotation(getattr(owner, "rotary_emb", None)) is None:
+                return f"gvote: attention without a plain rotary embedding ({layer_name}) is not supported"
+        return None
 
     def initialize_kv_cache(self, kv_cache_config, *args, **kwargs) -> None:
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
@@ -80,6 +93,32 @@ class KVPruneCPUModelRunner(CPUModelRunner):
         spec = group.kv_cache_spec
         self.kv_state.bind_cache(list(group.layer_names), kv_cache_config.num_blocks, spec.block_size,
                                  self.model_config.get_total_num_kv_heads(), spec.num_kv_heads)
+        if isinstance(self.kv_state.scores, PagedLayers):
+            self._attach_voters(self.kv_state.scores)
+
+    def _attach_voters(self, paged_layers: PagedLayers) -> None:
+        """Per pruned layer: its query path for synthetic queries, and a hook on its query
+        projection that gathers the prompt's statistics (the input the projection reads)."""
+        layers = vllm_hooks.attention_layers(self.vllm_config)
+        paged_layers.dtype = self.model_config.dtype
+        for layer_name, layer_index in paged_layers.layer_index.items():
+            owner = self.model.get_submodule(layer_name.rsplit(".", 1)[0])
+            impl = layers[layer_name].impl
+            paged_layers.voters[layer_name] = LayerVoter(layer_index, owner, impl.num_heads, impl.head_size,
+                                                         impl.scale, paged_layers)
+
+            def hook(module, args, layer_index=layer_index, layer_name=layer_name):
+                gather_hidden(paged_layers, layer_index, layer_name, args[0])
+
+            owner.qkv_proj.register_forward_pre_hook(hook)
+
+    def sample_tokens(self, *args, **kwargs):
+        output = super().sample_tokens(*args, **kwargs)
+        if isinstance(self.kv_state.scores, PagedLayers):
+            footprints = self.kv_state.footprints()
+            if footprints and hasattr(output, "req_ids"):
+                output = vllm_hooks.attach_footprints(output, footprints)
+        return output
 
     def _update_states(self, scheduler_output):
         # A preempted request lost its blocks; it re-prefills from scratch when resumed.

@@ -49,6 +49,46 @@ class StepPlan:
     head_slot_mapping: torch.Tensor | None = None
     head_moves: tuple[torch.Tensor, torch.Tensor] | None = None
     mass_queries: MassQueries | None = None
+    # Head-page policies: the rows whose prompt statistics each layer gathers, the prompts
+    # each layer votes on after its attention, and (when a row is paged) every layer's
+    # head-slots [layers, T, heads] and pseudo-request attention (one sequence per row and
+    # KV head).
+    hidden_rows: list[HiddenRows] = field(default_factory=list)
+    votes: list[Vote] = field(default_factory=list)
+    page_slot_mapping: torch.Tensor | None = None
+    page_attention: PageAttention | None = None
+
+
+@dataclass
+class HiddenRows:
+    """Prompt tokens `[start, stop)` of the batch whose query-projection input a request keeps
+    statistics of."""
+
+    state: RequestKVState
+    start: int
+    stop: int
+
+
+@dataclass
+class Vote:
+    """A request whose prompt ends this step: each layer votes after its attention."""
+
+    state: RequestKVState
+    last_token: int  # the last prompt token's index in the batch (its query sets the budgets)
+    block_row: np.ndarray
+    num_prompt: int
+
+
+@dataclass
+class PageAttention:
+    """Attention over head-pages: row r's KV head h is pseudo-request `h * R + r`, whose
+    queries are rows `h * T + query_start_loc[r] ..` of the queries permuted to `[H, T, G, D]`."""
+
+    query_start_loc: torch.Tensor  # [H * R + 1] int32
+    seq_lens: torch.Tensor  # [layers, H * R] int32
+    block_tables: torch.Tensor  # [layers, H * R, width] int32, pool head-page ids
+    num_tokens: int
+    schedules: list = field(default_factory=list)  # per layer, vLLM's scheduler metadata
 
 
 @dataclass

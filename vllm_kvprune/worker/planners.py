@@ -24,7 +24,9 @@ import torch
 
 from vllm_kvprune.worker.block_map import LayerBlockMap
 from vllm_kvprune.worker.head_map import SKIP, HeadSlotMap
-from vllm_kvprune.worker.plan import MassQueries, PlanningError, PrefillCompaction, SinkAnchor, StepPlan
+from vllm_kvprune.worker.head_page_map import HeadPageMap, global_head_pages, global_head_slots
+from vllm_kvprune.worker.plan import (HiddenRows, MassQueries, PageAttention, PlanningError, PrefillCompaction,
+                                      SinkAnchor, StepPlan, Vote)
 from vllm_kvprune.worker.slot_map import NO_MOVES, Moves, SlotMap
 
 if TYPE_CHECKING:
@@ -289,8 +291,99 @@ class HeadPlanner(RowPlanner):
         )
 
 
+class HeadPagePlanner(RowPlanner):
+    """Budget-free head-wise policies (`gvote`): a `HeadPageMap` per request. The prompt is
+    written in vLLM's layout and attended by vLLM's kernel; its query-projection statistics
+    are gathered, and at its end every layer votes and packs each head's kept tokens into
+    head-pages. Past it every head appends; a step with a paged row attends every row and
+    KV head as its own sequence over head-pages (the stock kernel, one call per layer)."""
+
+    def __init__(self, block_size: int, scores: Any = None) -> None:
+        super().__init__(block_size, scores)
+        self.rows: list[tuple[Row, np.ndarray]] = []  # (row, local head-slots [L, q, H] or uniform [q])
+        self.hidden_rows: list[HiddenRows] = []
+        self.votes: list[Vote] = []
+        self.any_paged = False
+
+    @classmethod
+    def attach_map(cls, state: RequestKVState, scores: Any) -> None:
+        state.pages = HeadPageMap(scores.num_layers, scores.num_heads, scores.block_size)
+
+    def add(self, row: Row) -> None:
+        pages = row.state.pages
+        if row.decoding():
+            if not pages.is_paged:
+                raise PlanningError("kvprune: a gvote request decodes before its prompt was voted on")
+            needed = pages.blocks_needed(1)
+            if needed > len(row.block_row) or (row.block_row[:needed] == 0).any():
+                raise PlanningError(f"kvprune: a request needs {needed} blocks for its kept tokens, the "
+                                    f"scheduler gave it {int((row.block_row != 0).sum())}")
+            self.any_paged = True
+            self.rows.append((row, pages.append_decode(row.num_computed)[:, None, :]))
+            self.seq_lens.append(0)  # per layer and head: see finish
+            return
+        tokens = pages.append_uniform(row.num_new)
+        self.hidden_rows.append(HiddenRows(row.state, row.first_token, row.first_token + row.num_new))
+        if row.ends_prompt:
+            self.votes.append(Vote(row.state, row.first_token + row.num_new - 1, row.block_row, row.num_prompt))
+        self.rows.append((row, tokens))
+        self.seq_lens.append(pages.num_uniform)
+
+    def finish(self) -> StepPlan:
+        if not self.any_paged:
+            # Every row is uniform: vLLM's own slots and attention.
+            slots = np.concatenate([self._global(row.block_row, tokens) for row, tokens in self.rows])
+            return StepPlan(slot_mapping=torch.from_numpy(slots), seq_lens=self._seq_lens(),
+                            hidden_rows=self.hidden_rows, votes=self.votes)
+        return self._finish_paged()
+
+    def _finish_paged(self) -> StepPlan:
+        first = self.rows[0][0].state.pages
+        num_layers, num_heads, bs = first.num_layers, first.num_heads, self.block_size
+        num_rows = len(self.rows)
+        slots, seq_lens, tables = [], np.zeros((num_layers, num_heads, num_rows), np.int64), []
+        for index, (row, local) in enumerate(self.rows):
+            pages = row.state.pages
+            if local.ndim == 1:  # uniform: every layer alike
+                local = np.broadcast_to(pages.uniform_slots(local)[None], (num_layers, len(local), num_heads))
+                seq_lens[:, :, index] = pages.num_uniform
+                count = -(-pages.num_uniform // bs)
+                table = (np.arange(count) * num_heads)[None, None, :] + np.arange(num_heads)[None, :, None]
+                table = np.broadcast_to(table, (num_layers, num_heads, count))
+            else:
+                seq_lens[:, :, index] = pages.lengths
+                count = -(-int(pages.lengths.max()) // bs)
+                table = pages.page_tables(count)
+            slots.append(global_head_slots(row.block_row, local, num_heads, bs))
+            tables.append(global_head_pages(row.block_row, table, num_heads))
+        width = max(table.shape[2] for table in tables)
+        block_tables = np.zeros((num_layers, num_heads, num_rows, width), np.int64)
+        for index, table in enumerate(tables):
+            block_tables[:, :, index, : table.shape[2]] = table
+        query_start = np.array([row.first_token for row, _ in self.rows] + [self.rows[-1][0].first_token
+                                                                           + self.rows[-1][0].num_new])
+        num_tokens = int(query_start[-1])
+        pseudo_start = (np.arange(num_heads)[:, None] * num_tokens + query_start[None, :-1]).reshape(-1)
+        page_slots = torch.from_numpy(np.ascontiguousarray(np.concatenate(slots, axis=1)))
+        return StepPlan(
+            slot_mapping=page_slots[0, :, 0],
+            seq_lens=torch.from_numpy(seq_lens.max(axis=(0, 1)).astype(np.int32)),
+            hidden_rows=self.hidden_rows,
+            votes=self.votes,
+            page_slot_mapping=page_slots,
+            page_attention=PageAttention(
+                query_start_loc=torch.from_numpy(np.append(pseudo_start, num_heads * num_tokens).astype(np.int32)),
+                seq_lens=torch.from_numpy(seq_lens.reshape(num_layers, -1).astype(np.int32)),
+                block_tables=torch.from_numpy(block_tables.reshape(num_layers, num_heads * num_rows, width)
+                                              .astype(np.int32)),
+                num_tokens=num_tokens,
+            ),
+        )
+
+
 # A policy's `granularity` names the planner (and so the map) its requests use.
-PLANNERS: dict[str, type[RowPlanner]] = {"token": TokenPlanner, "block": BlockPlanner, "head": HeadPlanner}
+PLANNERS: dict[str, type[RowPlanner]] = {"token": TokenPlanner, "block": BlockPlanner, "head": HeadPlanner,
+                                         "headpage": HeadPagePlanner}
 
 
 def evict_for(state: RequestKVState, num_incoming: int) -> Moves:

@@ -19,6 +19,7 @@ from vllm_kvprune.config import KVPolicyConfig
 from vllm_kvprune.policies import Policy, get_policy
 from vllm_kvprune.worker.block_map import LayerBlockMap
 from vllm_kvprune.worker.head_map import SKIP, HeadSlotMap
+from vllm_kvprune.worker.head_page_map import HeadPageMap
 from vllm_kvprune.worker.plan import MassQueries, PlanningError, PrefillCompaction, SinkAnchor, StepPlan
 from vllm_kvprune.worker.planners import PLANNERS, RowPlanner, Row, evict_for
 from vllm_kvprune.worker.slot_map import SlotMap
@@ -42,6 +43,13 @@ class RequestKVState:
     blocks: LayerBlockMap | None = None
     # Head-wise policies: each layer's and KV head's slot map (replaces `slots` too).
     heads: HeadSlotMap | None = None
+    # Head-page policies: each layer's and KV head's own tokens in head-pages, and while the
+    # prompt is prefilled the statistics of each layer's query-projection input (sum and sum
+    # of squares per channel, float64, `[layers, hidden]`, and the token count).
+    pages: HeadPageMap | None = None
+    hidden_sum: torch.Tensor | None = None
+    hidden_sumsq: torch.Tensor | None = None
+    hidden_count: torch.Tensor | None = None
 
 
 class LayerScores:
@@ -69,6 +77,25 @@ class LayerScores:
 
     def token_means(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         return _sum_over_ranks(self.by_slot[layer, slots]) / self.total_kv_heads
+
+
+class PagedLayers:
+    """The layers a head-page policy keeps per-head caches for (no score table: the vote
+    reads the cache once), and what each layer's vote needs from the model."""
+
+    def __init__(self, layer_names: list[str], block_size: int, num_heads: int) -> None:
+        self.layer_index = {name: i for i, name in enumerate(layer_names)}
+        self.layer_names = layer_names
+        self.block_size = block_size
+        self.num_heads = num_heads
+        # layer name -> the model's query projection and RoPE for synthetic queries (runner).
+        self.voters: dict = {}
+        self.dtype = torch.float32  # the model's
+        self.gathering = True  # off while a vote runs the projection on synthetic states
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_names)
 
 
 class HeadMass:
@@ -124,8 +151,8 @@ class WorkerKVState:
         self.requests: dict[str, RequestKVState] = {}
         self.rows: StepRows | None = None
         self.policy = get_policy(engine_config.name) if engine_config.active else None
-        # Scored policies, once the cache exists: LayerScores (block) or HeadMass (head).
-        self.scores: LayerScores | HeadMass | None = None
+        # Once the cache exists: LayerScores (block), HeadMass (head) or PagedLayers (headpage).
+        self.scores: LayerScores | HeadMass | PagedLayers | None = None
         # Wall time spent planning steps and keeping scores (H2O's attention mass), for the
         # benchmarks.
         self.plan_seconds = 0.0
@@ -144,6 +171,8 @@ class WorkerKVState:
             self.scores = LayerScores(layer_names, num_blocks, block_size, total_kv_heads)
         elif granularity == "head":
             self.scores = HeadMass(layer_names, num_blocks, block_size, local_kv_heads or total_kv_heads)
+        elif granularity == "headpage":
+            self.scores = PagedLayers(layer_names, block_size, local_kv_heads or total_kv_heads)
 
     def drop(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
@@ -156,6 +185,8 @@ class WorkerKVState:
             total += state.slots.logical.nbytes
             total += state.heads.nbytes if state.heads is not None else 0
             total += state.blocks.nbytes if state.blocks is not None else 0
+            total += state.pages.nbytes if state.pages is not None else 0
+            total += sum(t.nbytes for t in (state.hidden_sum, state.hidden_sumsq) if t is not None)
             total += sum(k.nbytes + v.nbytes for k, v in state.sink_kv.values())
         return total
 
@@ -168,6 +199,12 @@ class WorkerKVState:
             PLANNERS[state.policy.granularity].attach_map(state, self.scores)
             self.requests[request_id] = state
         return state
+
+    def footprints(self) -> dict[str, int]:
+        """Blocks each voted request needs for its next step (head-page policies), for the
+        scheduler: what it frees and what it allocates before that step."""
+        return {request_id: state.pages.blocks_needed(1) for request_id, state in self.requests.items()
+                if state.pages is not None and state.pages.is_paged}
 
     def plan(self, query_start_loc: np.ndarray, block_size: int) -> StepPlan | None:
         """The physical plan of the step whose rows were published by the runner."""

@@ -1,0 +1,147 @@
+"""The `gvote` policy in real vLLM engines: the same keep sets per (layer, KV head) and the
+same greedy tokens as the reference, blocks held equal to what the kept lengths need (read
+from vLLM's block pool), no head-page mapped twice, every block back after finish, abort
+and preemption."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import engine, runner_of, scheduler_of
+from test_streaming_engine import all_blocks_free, greedy, prompts, run_steps, tokens_and_logprobs
+from vllm_kvprune.worker.head_page_map import global_head_pages
+
+PROMPT_LENGTHS = (20, 150, 300)
+GEN = 40
+# The tiny random model attends almost uniformly, so p = 0.95 keeps nearly everything; a
+# lower threshold makes the heads' kept lengths differ.
+SPARSE = {"kv_gvote_p": 0.6, "kv_gvote_samples": 4}
+
+
+def snapshot_keep_sets(llm, keep_sets: dict) -> None:
+    """Each request's kept prompt positions per (layer, KV head), once it has voted."""
+    runner = runner_of(llm)
+    for request_id, state in runner.kv_state.requests.items():
+        pages = state.pages
+        if pages is not None and pages.is_paged and request_id not in keep_sets:
+            num_prompt = pages.num_uniform
+            keep_sets[request_id] = [[pages.kept_positions(layer, head)[: _prompt_part(pages, layer, head,
+                                                                                        num_prompt)]
+                                      for head in range(pages.num_heads)] for layer in range(pages.num_layers)]
+
+
+def _prompt_part(pages, layer: int, head: int, num_prompt: int) -> int:
+    return int((pages.kept_positions(layer, head) < num_prompt).sum())
+
+
+def check_invariants(llm) -> None:
+    """Scheduler: between steps a voted request holds what its kept tokens need, at most
+    what they need with the next token too (allocated before that step), nothing more.
+    Worker: no head-page of the pool is mapped by two heads or two requests."""
+    scheduler, runner = scheduler_of(llm), runner_of(llm)
+    owners: dict[tuple[int, int], str] = {}
+    for request_id, state in runner.kv_state.requests.items():
+        pages = state.pages
+        if request_id not in runner.requests or pages is None or not pages.is_paged:
+            continue
+        if request_id in scheduler.requests:
+            held = scheduler.held_blocks(request_id)
+            assert pages.blocks_needed(0) <= held <= pages.blocks_needed(1), (request_id, held)
+        pages.check()
+        block_row = np.array(runner.requests[request_id].block_ids[0])
+        for layer in range(pages.num_layers):
+            count = -(-pages.lengths[layer] // pages.block_size)
+            table = pages.page_table(layer, int(count.max()))
+            held = np.concatenate([table[head, : count[head]] for head in range(pages.num_heads)])
+            assert (held // pages.num_heads < len(block_row)).all(), "a head reads a block it does not hold"
+            for page in global_head_pages(block_row, held, pages.num_heads).tolist():
+                assert (layer, page) not in owners, f"head-page {page} of layer {layer} mapped twice"
+                owners[(layer, page)] = request_id
+
+
+@pytest.fixture(scope="class")
+def gvote_llm(tiny_model):
+    with engine(tiny_model, {"name": "gvote"}, kv_blocks=512) as llm:
+        yield llm
+
+
+class TestSharedEngine:
+    """Tests that share one engine; it is closed when the class ends."""
+
+    def test_keeping_everything_equals_the_full_cache(self, gvote_llm, reference_model):
+        from vllm_kvprune.reference.model import BudgetedReference
+
+        prompt_ids = prompts(PROMPT_LENGTHS)
+        outputs = gvote_llm.generate([{"prompt_token_ids": p} for p in prompt_ids],
+                                     greedy(GEN, kv_gvote_p=1.0), use_tqdm=False)
+        full = BudgetedReference(reference_model, budget=None)
+        for prompt, output in zip(prompt_ids, outputs):
+            expected = full.generate(prompt, GEN, prompt_logprobs=False)
+            token_ids, logprobs = tokens_and_logprobs(output)
+            assert token_ids == expected.token_ids
+            assert np.max(np.abs(np.array(logprobs) - np.array(expected.logprobs))) < 1e-3
+
+    def test_parity_with_reference(self, gvote_llm, reference_model):
+        from vllm_kvprune.reference.gvote import GVoteReference
+
+        prompt_ids = prompts(PROMPT_LENGTHS, seed=3)
+        keep_sets: dict = {}
+        finished = run_steps(gvote_llm, prompt_ids, [greedy(GEN, **SPARSE)] * len(prompt_ids),
+                             on_step=lambda: snapshot_keep_sets(gvote_llm, keep_sets))
+        reference = GVoteReference(reference_model, p_nuc=SPARSE["kv_gvote_p"], samples=SPARSE["kv_gvote_samples"])
+        lengths_differ = False
+        assert len(finished) == len(prompt_ids)
+        for request_id, output in finished.items():
+            prompt = prompt_ids[int(request_id)]
+            expected = reference.generate(prompt, GEN, prompt_logprobs=False)
+            # The worker keys requests by vLLM's internal id: the user's id and a suffix.
+            [served] = [kept for internal, kept in keep_sets.items() if internal.split("-")[0] == request_id]
+            for layer, heads in enumerate(reference.kept_positions):
+                for head, positions in enumerate(heads):
+                    assert served[layer][head].tolist() == positions.tolist(), (request_id, layer, head)
+            lengths_differ |= bool((reference.kept_lengths != reference.kept_lengths[0, 0]).any())
+            token_ids, logprobs = tokens_and_logprobs(output)
+            assert token_ids == expected.token_ids
+            assert np.max(np.abs(np.array(logprobs) - np.array(expected.logprobs))) < 1e-3
+        assert lengths_differ, "every head kept the same number of tokens: the test proves little"
+
+    def test_invariants_blocks_and_release(self, gvote_llm):
+        rng = np.random.default_rng(4)
+        lengths = rng.integers(3, 400, size=16).tolist()
+        prompt_ids = prompts(lengths, seed=5)
+        params = [greedy(int(rng.integers(10, 80)), **(SPARSE if i % 2 else {})) for i in range(16)]
+        finished = run_steps(gvote_llm, prompt_ids, params, on_step=lambda: check_invariants(gvote_llm),
+                             abort=(6, ["1", "3", "8"]))
+        assert set(finished) >= {str(i) for i in range(16)} - {"1", "3", "8"}
+        assert all_blocks_free(gvote_llm)
+        gvote_llm.generate([{"prompt_token_ids": [1, 2, 3]}], greedy(2), use_tqdm=False)
+        assert not runner_of(gvote_llm).kv_state.requests or all(
+            rid in runner_of(gvote_llm).requests for rid in runner_of(gvote_llm).kv_state.requests)
+
+    def test_bad_per_request_settings_are_refused(self, gvote_llm):
+        from vllm.exceptions import VLLMValidationError
+
+        for bad in ({"kv_gvote_p": 0}, {"kv_gvote_p": 1.5}, {"kv_gvote_samples": 0}, {"kv_budget": 64}):
+            with pytest.raises(VLLMValidationError, match=next(iter(bad))):
+                gvote_llm.generate([{"prompt_token_ids": [1, 2, 3]}], greedy(2, **bad), use_tqdm=False)
+
+
+def test_preemption_recomputes_the_same_tokens(tiny_model):
+    """A pool too small for every request at once: requests are preempted, re-prefilled,
+    re-voted (same seed: the same keep sets) and finish with the tokens of an ample pool."""
+    prompt_ids = prompts((300, 280, 260, 240), seed=6)
+    params = [greedy(120, **SPARSE)] * len(prompt_ids)
+    with engine(tiny_model, {"name": "gvote"}, kv_blocks=40, max_model_len=1024) as llm:
+        most = 0
+
+        def watch() -> None:
+            nonlocal most
+            most = max([most, *(r.num_preemptions for r in scheduler_of(llm).requests.values())])
+            check_invariants(llm)
+
+        squeezed = run_steps(llm, prompt_ids, params, on_step=watch)
+        assert all_blocks_free(llm)
+        ample = llm.generate([{"prompt_token_ids": p} for p in prompt_ids[:1]], params[0], use_tqdm=False)
+    assert most > 0, "the pool was not small enough to preempt anything"
+    assert tokens_and_logprobs(squeezed["0"])[0] == tokens_and_logprobs(ample[0])[0]

@@ -1,0 +1,104 @@
+"""`HeadPageMap`: per-head kept lengths packed into head-pages (no engine: fast)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vllm_kvprune.worker.head_map import SKIP
+from vllm_kvprune.worker.head_page_map import HeadPageMap, global_head_pages, global_head_slots
+from vllm_kvprune.worker.slot_map import InvariantError
+
+BS, HEADS, LAYERS = 4, 3, 2
+
+
+def voted_map(prompt: int, keep: np.ndarray) -> tuple[HeadPageMap, list]:
+    pages = HeadPageMap(LAYERS, HEADS, BS)
+    pages.append_uniform(prompt)
+    moves = [pages.apply_layer_vote(layer, keep[layer]) for layer in range(LAYERS)]
+    return pages, moves
+
+
+def test_uniform_slots_are_vllms_layout():
+    pages = HeadPageMap(LAYERS, HEADS, BS)
+    tokens = pages.append_uniform(6)
+    slots = pages.uniform_slots(tokens)
+    # token 5 of head 2: block 1, head 2 -> local head-page 1 * 3 + 2, offset 1
+    assert slots[5, 2] == (1 * HEADS + 2) * BS + 1
+    block_row = np.array([7, 9])
+    # In the pool: block 9, head 2, offset 1 of the [blocks * heads, 1, bs] view.
+    assert global_head_slots(block_row, slots, HEADS, BS)[5, 2] == (9 * HEADS + 2) * BS + 1
+
+
+def test_vote_packs_heads_and_needs_the_mean_not_the_max():
+    rng = np.random.default_rng(0)
+    prompt = 40
+    keep = rng.random((LAYERS, HEADS, prompt)) < np.array([0.9, 0.2, 0.1])[None, :, None]
+    pages, moves = voted_map(prompt, keep)
+    assert pages.is_paged
+    pages.check()
+    for layer in range(LAYERS):
+        assert (pages.lengths[layer] == keep[layer].sum(axis=1)).all()
+        assert pages.used[layer] == (-(-pages.lengths[layer] // BS)).sum()
+        for head in range(HEADS):
+            assert (pages.kept_positions(layer, head) == np.flatnonzero(keep[layer, head])).all()
+    longest = -(-pages.lengths.max() // BS)  # blocks a max-over-heads layout would need
+    assert pages.blocks_needed() == -(-pages.used.max() // HEADS) < longest
+
+
+def test_moves_put_every_kept_token_in_its_page():
+    """Replaying the moves on a fake cache (read all sources first) gives each head its kept
+    positions, in order, page after page."""
+    rng = np.random.default_rng(1)
+    prompt = 23
+    keep = rng.random((LAYERS, HEADS, prompt)) < 0.5
+    keep[:, :, 0] = True
+    pages, moves = voted_map(prompt, keep)
+    for layer in range(LAYERS):
+        cache = np.full(8 * HEADS * BS, -1)
+        tokens = np.arange(prompt)
+        uniform = pages.uniform_slots(tokens)  # [P, H]
+        for head in range(HEADS):
+            cache[uniform[:, head]] = tokens * 10 + head
+        sources, destinations = moves[layer]
+        cache[destinations] = cache[sources].copy()
+        for head in range(HEADS):
+            held = pages.kept_positions(layer, head)
+            table = pages.page_table(layer, -(-len(held) // BS))[head]
+            slots = table[np.arange(len(held)) // BS] * BS + np.arange(len(held)) % BS
+            assert (cache[slots] == held * 10 + head).all()
+
+
+def test_decode_appends_to_every_head_and_takes_new_pages():
+    keep = np.zeros((LAYERS, HEADS, 8), bool)
+    keep[:, 0, :4] = True  # head 0: one full page
+    keep[:, 1, :1] = True  # head 1: one token
+    keep[:, 2, :8] = True  # head 2: two full pages
+    pages, _ = voted_map(8, keep)
+    assert pages.blocks_needed(1) == -(-(2 + 1 + 3) // HEADS)  # heads 0 and 2 need a new page
+    slots = pages.append_decode(8)
+    assert slots.shape == (LAYERS, HEADS)
+    assert (pages.lengths[0] == [5, 2, 9]).all()
+    assert pages.used[0] == 4 + 2
+    # Head 0's new page is the layer's next one (4), head 2's the one after (5).
+    assert slots[0, 0] == 4 * BS and slots[0, 2] == 5 * BS
+    assert slots[0, 1] == 1 * BS + 1  # head 1 (page 1) still has room
+    pages.check()
+    for position in range(9, 20):
+        pages.append_decode(position)
+        pages.check()
+    assert (pages.kept_positions(1, 1) == np.concatenate([[0], np.arange(8, 20)])).all()
+
+
+def test_check_catches_a_page_mapped_twice():
+    keep = np.ones((LAYERS, HEADS, 8), bool)
+    pages, _ = voted_map(8, keep)
+    pages.pages[0, 1, 0] = pages.pages[0, 0, 0]
+    with pytest.raises(InvariantError, match="mapped twice"):
+        pages.check()
+
+
+def test_global_pages_keep_skip_harmless():
+    block_row = np.array([5, 6])
+    table = np.array([[0, 4, SKIP]])
+    assert global_head_pages(block_row, table, HEADS).tolist() == [[5 * HEADS, 6 * HEADS + 1, 0]]

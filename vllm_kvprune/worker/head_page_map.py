@@ -1,0 +1,195 @@
+"""Per-head caches of different lengths, packed into head-pages (budget-free policies).
+
+The layer cache `[num_blocks, H, block_size, 2D]` is also `[num_blocks * H, 1, block_size,
+2D]`: one KV head's `block_size` tokens per "head-page", and vLLM's CPU kernel attends each
+(request, KV head) as its own sequence over any list of head-pages (VLLM_NOTES D3). A request
+holding blocks `b_0 .. b_{n-1}` owns the head-pages `b_i * H + h`; numbered locally as
+`j = i * H + h`, head-page j is `block_row[j // H] * H + j % H` of the pool. A local
+head-slot is `j * block_size + offset`.
+
+While its prompt is prefilled a request is uniform: token p of head h sits at offset
+`p % bs` of local head-page `(p // bs) * H + h` (vLLM's own layout, written by vLLM's own op).
+The vote then gives each (layer, head) its own kept tokens; they are packed, head after
+head, into the layer's first head-pages, so layer l uses `sum_h ceil(len_lh / bs)` of
+them and the request needs `ceil(max_l of that / H)` blocks: memory follows the mean over
+heads, not the longest head. Decode appends one token to every head; a head whose last
+page is full takes the layer's next unused head-page.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vllm_kvprune.worker.head_map import SKIP
+from vllm_kvprune.worker.slot_map import InvariantError
+
+
+class HeadPageMap:
+    """Which head-pages hold which tokens, per layer and KV head, for one request.
+
+    Invariants, checked by `check()` once paged:
+    - head (l, h) holds `lengths[l, h]` tokens in its first `ceil(lengths / bs)` pages;
+    - within a layer no head-page is listed twice, and every listed page is below `used[l]`;
+    - no (layer, head) holds a position twice.
+    """
+
+    def __init__(self, num_layers: int, num_heads: int, block_size: int) -> None:
+        self.num_layers, self.num_heads, self.block_size = num_layers, num_heads, block_size
+        self.num_uniform = 0  # tokens while uniform (every head holds positions 0..n-1)
+        self.lengths: np.ndarray | None = None  # [L, H] once paged
+        self.pages: np.ndarray | None = None  # [L, H, max pages] local head-page ids, SKIP-padded
+        self.used: np.ndarray | None = None  # [L] head-pages in use per layer
+        self.positions: np.ndarray | None = None  # [L, H, capacity] position of each held token
+        self._voted: np.ndarray | None = None  # [L] layers whose vote has been applied
+
+    @property
+    def is_paged(self) -> bool:
+        return self.lengths is not None and bool(self._voted.all())
+
+    # ---- while uniform ----------------------------------------------------------------
+    def append_uniform(self, num_new: int) -> np.ndarray:
+        """Prompt tokens, every head the same slot; returns their token indices `[q]`."""
+        if self.lengths is not None:
+            raise InvariantError("a voted request got prompt tokens")
+        start = self.num_uniform
+        self.num_uniform += num_new
+        return np.arange(start, self.num_uniform, dtype=np.int64)
+
+    def uniform_slots(self, tokens: np.ndarray) -> np.ndarray:
+        """Local head-slots `[len(tokens), H]` of uniform tokens (vLLM's layout)."""
+        bs, heads = self.block_size, self.num_heads
+        pages = (tokens // bs)[:, None] * heads + np.arange(heads)
+        return pages * bs + (tokens % bs)[:, None]
+
+    # ---- the vote -----------------------------------------------------------------------
+    def apply_layer_vote(self, layer: int, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Keep `keep [H, P]` (bool over the prompt) in layer `layer`: heads are packed in
+        order into the layer's first head-pages. Returns the moves, local head-slots
+        `sources`, `destinations` (same length, unmoved tokens left out)."""
+        heads, bs = self.num_heads, self.block_size
+        if keep.shape != (heads, self.num_uniform):
+            raise InvariantError(f"vote shape {keep.shape}, expected {(heads, self.num_uniform)}")
+        if self.lengths is None:
+            self._start_paging()
+        lengths = keep.sum(axis=1)
+        num_pages = -(-lengths // bs)
+        first_page = np.concatenate([[0], np.cumsum(num_pages)[:-1]])
+        self._grow_pages(int(num_pages.max()))
+        self.pages[layer] = SKIP
+        for head in range(heads):
+            self.pages[layer, head, : num_pages[head]] = first_page[head] + np.arange(num_pages[head])
+        self.used[layer] = int(num_pages.sum())
+        self.lengths[layer] = lengths
+        self._grow_positions(int(lengths.max()) + 1)
+        head_index, position = np.nonzero(keep)  # head-major, positions ascending
+        rank = np.arange(len(position)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        self.positions[layer, head_index, rank] = position
+        sources = self.uniform_slots(position)[np.arange(len(position)), head_index]
+        destinations = self.pages[layer, head_index, rank // bs] * bs + rank % bs
+        self._voted[layer] = True
+        moved = sources != destinations
+        return sources[moved], destinations[moved]
+
+    def _start_paging(self) -> None:
+        shape = (self.num_layers, self.num_heads)
+        self.lengths = np.zeros(shape, np.int64)
+        self.used = np.zeros(self.num_layers, np.int64)
+        self.pages = np.full((*shape, 4), SKIP, np.int64)
+        self.positions = np.full((*shape, 64), SKIP, np.int64)
+        self._voted = np.zeros(self.num_layers, bool)
+
+    def _grow_pages(self, num_pages: int) -> None:
+        if num_pages > self.pages.shape[2]:
+            grown = np.full((*self.pages.shape[:2], max(num_pages, 2 * self.pages.shape[2])), SKIP, np.int64)
+            grown[:, :, : self.pages.shape[2]] = self.pages
+            self.pages = grown
+
+    def _grow_positions(self, num_tokens: int) -> None:
+        if num_tokens > self.positions.shape[2]:
+            grown = np.full((*self.positions.shape[:2], max(num_tokens, 2 * self.positions.shape[2])), SKIP, np.int64)
+            grown[:, :, : self.positions.shape[2]] = self.positions
+            self.positions = grown
+
+    # ---- decode -------------------------------------------------------------------------
+    def append_decode(self, position: int) -> np.ndarray:
+        """One token into every head of every layer; returns its local head-slots `[L, H]`.
+        A head whose pages are full takes its layer's next head-page (heads in order)."""
+        bs = self.block_size
+        full = self.lengths % bs == 0  # [L, H]: needs a new page
+        new_page_rank = np.cumsum(full, axis=1) - 1  # among this layer's new pages
+        page_index = self.lengths // bs
+        self._grow_pages(int(page_index.max()) + 1)
+        layers, heads = np.nonzero(full)
+        self.pages[layers, heads, page_index[layers, heads]] = self.used[layers] + new_page_rank[layers, heads]
+        self.used += full.sum(axis=1)
+        self._grow_positions(int(self.lengths.max()) + 1)
+        all_layers, all_heads = np.indices(self.lengths.shape)
+        self.positions[all_layers, all_heads, self.lengths] = position
+        slots = self.pages[all_layers, all_heads, page_index] * bs + self.lengths % bs
+        self.lengths += 1
+        return slots
+
+    def blocks_needed(self, extra_tokens: int = 0) -> int:
+        """Blocks the request must hold for its tokens plus `extra_tokens` more in every head
+        (a layer's pages are exactly `sum_h ceil(len_h / bs)`: no page is ever given up)."""
+        bs = self.block_size
+        if self.lengths is None:
+            return -(-(self.num_uniform + extra_tokens) // bs)
+        pages = (-(-(self.lengths + extra_tokens) // bs)).sum(axis=1)
+        return int(-(-pages.max() // self.num_heads))
+
+    # ---- what the kernel reads ----------------------------------------------------------
+    def page_tables(self, num_pages: int) -> np.ndarray:
+        """Local head-pages `[L, H, num_pages]` of every layer (SKIP past a head's own)."""
+        if self.pages.shape[2] >= num_pages:
+            return self.pages[:, :, :num_pages]
+        table = np.full((self.num_layers, self.num_heads, num_pages), SKIP, np.int64)
+        table[:, :, : self.pages.shape[2]] = self.pages
+        return table
+
+    def page_table(self, layer: int, num_pages: int) -> np.ndarray:
+        """Local head-pages `[H, num_pages]` of layer `layer`."""
+        return self.page_tables(num_pages)[layer]
+
+    def kept_positions(self, layer: int, head: int) -> np.ndarray:
+        """Positions held by (layer, head), in the order they are stored."""
+        return self.positions[layer, head, : self.lengths[layer, head]].copy()
+
+    @property
+    def nbytes(self) -> int:
+        held = (self.lengths, self.pages, self.used, self.positions)
+        return sum(part.nbytes for part in held if part is not None)
+
+    def check(self) -> None:
+        if self.lengths is None:
+            return
+        bs = self.block_size
+        for layer in range(self.num_layers):
+            listed = []
+            for head in range(self.num_heads):
+                count = -(-int(self.lengths[layer, head]) // bs)
+                pages = self.pages[layer, head, :count]
+                if (pages == SKIP).any() or (pages >= self.used[layer]).any():
+                    raise InvariantError(f"layer {layer} head {head}: a page is missing or unallocated")
+                listed.append(pages)
+                held = self.kept_positions(layer, head)
+                if len(np.unique(held)) != len(held):
+                    raise InvariantError(f"layer {layer} head {head}: a position is held twice")
+            listed = np.concatenate(listed)
+            if len(np.unique(listed)) != len(listed):
+                raise InvariantError(f"layer {layer}: a head-page is mapped twice")
+
+
+def global_head_slots(block_row: np.ndarray, local: np.ndarray, num_heads: int, block_size: int) -> np.ndarray:
+    """Pool-wide head-slots (in the `[num_blocks * H, 1, block_size, 2D]` view) of local ones;
+    SKIP stays SKIP."""
+    page = np.maximum(local, 0) // block_size
+    pool_page = block_row[page // num_heads].astype(np.int64) * num_heads + page % num_heads
+    return np.where(local == SKIP, SKIP, pool_page * block_size + np.maximum(local, 0) % block_size)
+
+
+def global_head_pages(block_row: np.ndarray, local_pages: np.ndarray, num_heads: int) -> np.ndarray:
+    """Pool-wide head-page ids of local ones (SKIP -> 0, a page the kernel never reads past
+    the sequence's length)."""
+    safe = np.maximum(local_pages, 0)
+    return np.where(local_pages == SKIP, 0, block_row[safe // num_heads].astype(np.int64) * num_heads + safe % num_heads)

@@ -1,0 +1,84 @@
+"""What GVote needs from the model, per layer: the query projection's input over the prompt
+(statistics gathered by a hook while the prompt runs) and the projection and RoPE that turn
+synthetic hidden states into queries. The vote itself is `GVotePolicy`'s."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_kvprune import vllm_hooks
+from vllm_kvprune.config import KVPolicyConfig
+from vllm_kvprune.policies.gvote import GVotePolicy
+
+
+@dataclass
+class LayerVoter:
+    """One attention layer's query path, for synthetic queries: `project(h [S, hidden])`
+    gives pre-RoPE queries `[S, Hq, D]` through the model's own projection (vLLM's CPU
+    build repacks the weights, so the layer is called, not its weight read), bias and q norm
+    included."""
+
+    layer_index: int
+    owner: Any  # the attention module (qkv_proj, rotary_emb, q_norm)
+    num_q_heads: int
+    head_size: int
+    scale: float
+    paged_layers: Any  # its `gathering` flag keeps the statistics hook off our own call
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        width = self.num_q_heads * self.head_size
+        self.paged_layers.gathering = False
+        try:
+            projected = self.owner.qkv_proj(hidden.to(self.paged_layers.dtype))
+        finally:
+            self.paged_layers.gathering = True
+        if isinstance(projected, tuple):  # vLLM's linear layers return (output, bias)
+            projected = projected[0]
+        query = projected[:, :width].float().reshape(-1, self.num_q_heads, self.head_size)
+        q_norm = getattr(self.owner, "q_norm", None)
+        if q_norm is not None:
+            query = q_norm(query.to(q_norm.weight.dtype)).float()
+        return query
+
+    def rotate_future(self, query: torch.Tensor, first_position: int, count: int) -> torch.Tensor:
+        """RoPE at the average cos/sin of positions `first_position .. + count - 1`, in the
+        layer's own style (NeoX or GPT-J, partial rotary)."""
+        return vllm_hooks.rope_at_average(self.owner.rotary_emb, query, first_position, count)
+
+    def vote(self, config: KVPolicyConfig, policy: GVotePolicy, last_query: torch.Tensor, keys: torch.Tensor,
+             hidden_sum: torch.Tensor, hidden_sumsq: torch.Tensor, count: int) -> np.ndarray:
+        """The layer's keep mask `[H, P]`: `last_query [Hq, D]` post-RoPE, `keys [H, P, D]`."""
+        mean = hidden_sum / count
+        variance = (hidden_sumsq - count * mean * mean) / max(count - 1, 1)
+        std = variance.clamp(min=0).sqrt()
+        generator = policy.layer_generator(config.gvote_seed, self.layer_index)
+        hidden = policy.synthetic_hidden(mean, std, config.gvote_samples, generator)
+        synthetic = self.rotate_future(self.project(hidden), keys.shape[1], config.gvote_future)
+        budgets = policy.step_budgets(last_query, keys, self.scale, config.gvote_p)
+        return policy.keep_mask(synthetic, keys, budgets, self.scale).numpy()
+
+
+def gather_hidden(paged_layers, layer_index: int, layer_name: str, hidden: torch.Tensor) -> None:
+    """Pre-hook body on a layer's query projection: add this step's prompt tokens to each
+    request's statistics (`HiddenRows` of the step's plan)."""
+    if not paged_layers.gathering:
+        return
+    metadata = vllm_hooks.layer_metadata(layer_name)
+    plan = getattr(metadata, "kvprune_plan", None)
+    if plan is None:
+        return
+    for rows in plan.hidden_rows:
+        state = rows.state
+        if state.hidden_sum is None:
+            shape = (paged_layers.num_layers, hidden.shape[-1])
+            state.hidden_sum = torch.zeros(shape, dtype=torch.float64)
+            state.hidden_sumsq = torch.zeros(shape, dtype=torch.float64)
+            state.hidden_count = torch.zeros(paged_layers.num_layers, dtype=torch.int64)
+        part = hidden[rows.start: rows.stop].double()
+        state.hidden_sum[layer_index] += part.sum(dim=0)
+        state.hidden_sumsq[layer_index] += (part * part).sum(dim=0)
+        state.hidden_count[layer_index] += rows.stop - rows.start
