@@ -60,6 +60,32 @@ def check_invariants(llm) -> None:
                 owners[(layer, page)] = request_id
 
 
+def assert_parity(llm, reference_model, prompt_ids: list[list[int]], settings: dict) -> None:
+    """The served keep sets per (layer, KV head) and greedy tokens equal the reference's."""
+    from vllm_kvprune.reference.gvote import GVoteReference
+
+    keep_sets: dict = {}
+    finished = run_steps(llm, prompt_ids, [greedy(GEN, **settings)] * len(prompt_ids),
+                         on_step=lambda: snapshot_keep_sets(llm, keep_sets))
+    reference = GVoteReference(reference_model, p_nuc=settings.get("kv_gvote_p", 0.95),
+                               samples=settings.get("kv_gvote_samples", 8))
+    lengths_differ = False
+    assert len(finished) == len(prompt_ids)
+    for request_id, output in finished.items():
+        prompt = prompt_ids[int(request_id)]
+        expected = reference.generate(prompt, GEN, prompt_logprobs=False)
+        # The worker keys requests by vLLM's internal id: the user's id and a suffix.
+        [served] = [kept for internal, kept in keep_sets.items() if internal.split("-")[0] == request_id]
+        for layer, heads in enumerate(reference.kept_positions):
+            for head, positions in enumerate(heads):
+                assert served[layer][head].tolist() == positions.tolist(), (request_id, layer, head)
+        lengths_differ |= bool((reference.kept_lengths != reference.kept_lengths[0, 0]).any())
+        token_ids, logprobs = tokens_and_logprobs(output)
+        assert token_ids == expected.token_ids
+        assert np.max(np.abs(np.array(logprobs) - np.array(expected.logprobs))) < 1e-3
+    assert lengths_differ, "every head kept the same number of tokens: the test proves little"
+
+
 @pytest.fixture(scope="class")
 def gvote_llm(tiny_model):
     with engine(tiny_model, {"name": "gvote"}, kv_blocks=512) as llm:
@@ -83,28 +109,7 @@ class TestSharedEngine:
             assert np.max(np.abs(np.array(logprobs) - np.array(expected.logprobs))) < 1e-3
 
     def test_parity_with_reference(self, gvote_llm, reference_model):
-        from vllm_kvprune.reference.gvote import GVoteReference
-
-        prompt_ids = prompts(PROMPT_LENGTHS, seed=3)
-        keep_sets: dict = {}
-        finished = run_steps(gvote_llm, prompt_ids, [greedy(GEN, **SPARSE)] * len(prompt_ids),
-                             on_step=lambda: snapshot_keep_sets(gvote_llm, keep_sets))
-        reference = GVoteReference(reference_model, p_nuc=SPARSE["kv_gvote_p"], samples=SPARSE["kv_gvote_samples"])
-        lengths_differ = False
-        assert len(finished) == len(prompt_ids)
-        for request_id, output in finished.items():
-            prompt = prompt_ids[int(request_id)]
-            expected = reference.generate(prompt, GEN, prompt_logprobs=False)
-            # The worker keys requests by vLLM's internal id: the user's id and a suffix.
-            [served] = [kept for internal, kept in keep_sets.items() if internal.split("-")[0] == request_id]
-            for layer, heads in enumerate(reference.kept_positions):
-                for head, positions in enumerate(heads):
-                    assert served[layer][head].tolist() == positions.tolist(), (request_id, layer, head)
-            lengths_differ |= bool((reference.kept_lengths != reference.kept_lengths[0, 0]).any())
-            token_ids, logprobs = tokens_and_logprobs(output)
-            assert token_ids == expected.token_ids
-            assert np.max(np.abs(np.array(logprobs) - np.array(expected.logprobs))) < 1e-3
-        assert lengths_differ, "every head kept the same number of tokens: the test proves little"
+        assert_parity(gvote_llm, reference_model, prompts(PROMPT_LENGTHS, seed=3), SPARSE)
 
     def test_invariants_blocks_and_release(self, gvote_llm):
         rng = np.random.default_rng(4)
@@ -145,3 +150,12 @@ def test_preemption_recomputes_the_same_tokens(tiny_model):
         ample = llm.generate([{"prompt_token_ids": p} for p in prompt_ids[:1]], params[0], use_tqdm=False)
     assert most > 0, "the pool was not small enough to preempt anything"
     assert tokens_and_logprobs(squeezed["0"])[0] == tokens_and_logprobs(ample[0])[0]
+
+
+@pytest.mark.slow
+def test_parity_real_model(real_model):
+    """SmolLM2 (fp32), the paper's defaults: its sharper attention keeps far fewer tokens."""
+    from vllm_kvprune.reference.model import load_reference_model
+
+    with engine(real_model, {"name": "gvote"}, kv_blocks=256) as llm:
+        assert_parity(llm, load_reference_model(real_model), prompts((400,), seed=7), {})

@@ -214,8 +214,9 @@ def test_driver_follows_the_conventions(model, seed, future):
             assert torch.equal(keep[head].nonzero()[:, 0], reference.kept_positions[layer][head]), (layer, head)
 
 
-def test_keeping_everything_equals_the_full_cache(soft_model):
-    model = soft_model
+@pytest.mark.parametrize("attention", ["soft", "sharp"])
+def test_keeping_everything_equals_the_full_cache(request, attention):
+    model = request.getfixturevalue("soft_model" if attention == "soft" else "model")
     ids = prompt()
     reference = GVoteReference(model, p_nuc=1.0, samples=2)
     got = reference.generate(ids, 20)
@@ -349,3 +350,23 @@ def test_validation(model):
     cache = ContiguousKVCache(2)
     with pytest.raises(ValueError, match="one mask per layer"):
         forward_step(model, [1, 2], cache, torch.arange(2), key_keep=[torch.ones(2, 2, dtype=torch.bool)])
+
+
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("p_nuc", [0.5, 0.9, 1.0])
+def test_engine_vote_equals_reference(group, p_nuc):
+    """The engine's vote (`GVotePolicy`: one top-k at the largest budget) and the
+    reference's (rank-based, as the paper's listing) choose the same keys."""
+    from vllm_kvprune.policies.gvote import GVotePolicy
+    from vllm_kvprune.reference.gvote import nucleus_budgets, vote_keep_mask
+
+    generator = torch.Generator().manual_seed(group * 100 + int(p_nuc * 10))
+    kv_heads, num_keys, head_dim, samples = 2, 57, 16, 5
+    keys = torch.randn(kv_heads, num_keys, head_dim, generator=generator)
+    query = 2 * torch.randn(kv_heads * group, head_dim, generator=generator)
+    synthetic = torch.randn(samples, kv_heads * group, head_dim, generator=generator)
+    scale = head_dim ** -0.5
+    budgets = GVotePolicy.step_budgets(query, keys, scale, p_nuc)
+    assert torch.equal(budgets, nucleus_budgets(query, keys, scale, p_nuc))
+    assert torch.equal(GVotePolicy.keep_mask(synthetic, keys, budgets, scale),
+                       vote_keep_mask(synthetic, keys, budgets, scale))

@@ -39,6 +39,8 @@ class GVotePolicy(Policy):
     def step_budgets(query: torch.Tensor, keys: torch.Tensor, scale: float, p_nuc: float) -> torch.Tensor:
         """Top-p set size of each query head `[Hq]`: `query [Hq, D]`, `keys [H, P, D]`."""
         num_kv_heads, num_keys, _ = keys.shape
+        if p_nuc >= 1:  # the whole distribution (fp32 cumulative sums reach 1.0 before its tail)
+            return torch.full((query.shape[0],), num_keys, dtype=torch.long)
         grouped = query.float().view(num_kv_heads, -1, query.shape[-1])
         probs = torch.softmax(torch.einsum("hgd,hpd->hgp", grouped, keys.float()) * scale, dim=-1)
         cumulative = torch.sort(probs, dim=-1, descending=True).values.cumsum(dim=-1)

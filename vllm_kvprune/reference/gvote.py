@@ -45,9 +45,9 @@ Choices the paper leaves open:
   prompts), noise in float32 from a per-layer seeded CPU generator.
 * The attention scale is the model's (``attn.scaling``), which is ``1/sqrt(d_k)`` for Llama.
 
-``p_nuc = 1`` is allowed but is not a "keep everything" switch: with sharp attention the fp32
-cumulative sum reaches 1.0 before the last (tiny) probabilities, so budgets can stay below P.
-With near-uniform attention every budget is P and the result is the full cache.
+``p_nuc = 1`` means the whole distribution: every budget is P, so every head keeps the whole
+prompt (with sharp attention the fp32 cumulative sum reaches 1.0 before the last, tiny,
+probabilities, and the top-p rule alone would stop short of P).
 """
 
 from __future__ import annotations
@@ -82,6 +82,9 @@ def nucleus_budgets(query: torch.Tensor, keys: torch.Tensor, scale: float, p_nuc
     """Step budget of each query head, long ``[Hq]``: the size of its top-``p_nuc`` attention
     set.  ``query`` ``[Hq, D]`` (post-RoPE), ``keys`` ``[Hkv, P, D]`` (post-RoPE)."""
     num_kv_heads, num_keys, head_dim = keys.shape
+    if p_nuc >= 1:
+        # The whole distribution: every key (fp32 cumulative sums reach 1.0 before the tail).
+        return torch.full((query.shape[0],), num_keys, dtype=torch.long)
     grouped = query.float().reshape(num_kv_heads, -1, head_dim)
     probs = torch.softmax(torch.einsum("hgd,hpd->hgp", grouped, keys.float()) * scale, dim=-1)
     cumulative = torch.sort(probs, dim=-1, descending=True).values.cumsum(dim=-1)
