@@ -19,9 +19,12 @@ PPL_TOKENS = 300
 def small_run(tmp_path_factory, kvpress_venv):
     out = tmp_path_factory.mktemp("accuracy")
     command = [sys.executable, "-m", "vllm_kvprune.bench", "accuracy", "--policies", "streaming", "h2o",
-               "--budgets", "128", "256", "--ppl-segments", "1", "--ppl-tokens", str(PPL_TOKENS),
+               "--budgets", "128", "--ppl-segments", "1", "--ppl-tokens", str(PPL_TOKENS),
                "--needle-contexts", "1024", "--needle-depths", "0", "100", "--needle-budgets", "256",
-               "--kv-cases", "3", "--arith-cases", "3", "--kvpress-cases", "2", "--out-dir", str(out)]
+               "--kv-cases", "2", "--arith-cases", "2", "--kvpress-cases", "2", "--out-dir", str(out),
+               # float32 and eager: bf16 matmuls are emulated, and slow, on CPUs without bf16
+               # instructions, and compiling each engine costs minutes there
+               "--dtype", "float32", "--enforce-eager"]
     finished = subprocess.run(command, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
                               timeout=1500)
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
@@ -34,7 +37,7 @@ def load(out: Path, task: str) -> dict:
 
 @pytest.mark.slow
 def test_every_method_answers_every_case(small_run):
-    for task, budgets, cases in (("needle", [256], 2), ("kv_retrieval", [128, 256], 3), ("arithmetic", [128, 256], 3)):
+    for task, budgets, cases in (("needle", [256], 2), ("kv_retrieval", [128], 2), ("arithmetic", [128], 2)):
         document = load(small_run, task)
         records = document["results"]
         ours = {(r["method"], r["budget"]) for r in records if r["system"] == "vllm-kvprune"}
@@ -73,9 +76,9 @@ def test_full_cache_perplexity_matches_hugging_face(small_run):
         logprobs = torch.log_softmax(model(ids).logits[0, :-1].float(), dim=-1)
     reference = -logprobs.gather(1, ids[0, 1:, None]).sum().item()
     assert full["scored_tokens"] == PPL_TOKENS - 1
-    # bfloat16 engine against a float32 forward: within 2% in perplexity
+    # float32 engine against a float32 forward: within 0.5% in perplexity
     assert math.exp(full["nll_sum"] / full["scored_tokens"]) == pytest.approx(math.exp(reference / (tokens - 1)),
-                                                                              rel=0.02)
+                                                                              rel=0.005)
     pruned = [r for r in document["results"] if r["budget"] == 128]
     assert {r["method"] for r in pruned} == {"streaming", "h2o"}
     assert all(r["nll_sum"] != full["nll_sum"] for r in pruned)  # evicting inside the text changed the scores

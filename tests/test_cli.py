@@ -1,6 +1,14 @@
-"""The `vllm-kvprune` command: a real process for every bad flag, the help and the version."""
+"""The `vllm-kvprune` command: bad flags, the help and the version, in real processes.
 
+Every bad flag goes through the command's own entry point (`vllm_kvprune.cli.main`, what the
+console script calls), all of them in one process (`BATCH_DRIVER`): a process per flag costs
+vLLM's CLI import each time, a minute of the suite on a slow machine. The console script
+itself runs for the first bad flag, the help and the version.
+"""
+
+import json
 import subprocess
+import sys
 
 import pytest
 
@@ -40,13 +48,55 @@ BAD_FLAGS = [
 ]
 
 
-@pytest.mark.parametrize("flags, message", BAD_FLAGS, ids=[" ".join(f) for f, _ in BAD_FLAGS])
-def test_bad_flag_exits_2_with_one_line(tmp_path, flags, message):
-    result = run("serve", str(tmp_path), *flags)
-    assert result.returncode == 2, result.stderr[-2000:]
-    last = result.stderr.strip().splitlines()[-1]
+# Runs `vllm-kvprune serve MODEL FLAGS...` for each argv of a JSON list, in this one process,
+# and prints [{"code": exit code, "stderr": ...}] as JSON.
+BATCH_DRIVER = """
+import contextlib, io, json, sys, traceback
+from vllm_kvprune.cli import main
+results = []
+for argv in json.loads(sys.argv[1]):
+    stderr = io.StringIO()
+    code = 0
+    with contextlib.redirect_stderr(stderr):
+        try:
+            main(argv)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    results.append({"code": code, "stderr": stderr.getvalue()})
+print("RESULTS " + json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def bad_flag_results(tmp_path_factory) -> list[dict]:
+    model = str(tmp_path_factory.mktemp("model"))
+    argvs = [["serve", model, *flags] for flags, _ in BAD_FLAGS]
+    done = subprocess.run([sys.executable, "-c", BATCH_DRIVER, json.dumps(argvs)], capture_output=True, text=True,
+                          timeout=300)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULTS ")]
+    assert lines, done.stdout[-2000:] + done.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULTS "):])
+
+
+def assert_one_line_error(code: int, stderr: str, message: str) -> None:
+    assert code == 2, stderr[-2000:]
+    last = stderr.strip().splitlines()[-1]
     assert last.startswith("vllm-kvprune: error: ") and message in last, last
-    assert "Traceback" not in result.stderr
+    assert "Traceback" not in stderr
+
+
+@pytest.mark.parametrize("case", range(len(BAD_FLAGS)), ids=[" ".join(f) for f, _ in BAD_FLAGS])
+def test_bad_flag_exits_2_with_one_line(bad_flag_results, case):
+    assert_one_line_error(bad_flag_results[case]["code"], bad_flag_results[case]["stderr"], BAD_FLAGS[case][1])
+
+
+def test_bad_flag_through_the_console_script(tmp_path):
+    flags, message = BAD_FLAGS[0]
+    result = run("serve", str(tmp_path), *flags)
+    assert_one_line_error(result.returncode, result.stderr, message)
 
 
 def test_bad_yaml_key_names_the_key(tmp_path):

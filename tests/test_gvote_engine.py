@@ -132,12 +132,15 @@ class TestSharedEngine:
                 gvote_llm.generate([{"prompt_token_ids": [1, 2, 3]}], greedy(2, **bad), use_tqdm=False)
 
 
-def test_preemption_recomputes_the_same_tokens(tiny_model):
+def test_preemption_and_chunked_prefill(tiny_model, reference_model):
     """A pool too small for every request at once: requests are preempted, re-prefilled,
-    re-voted (same seed: the same keep sets) and finish with the tokens of an ample pool."""
+    re-voted (same seed: the same keep sets) and finish with the tokens of an ample pool.
+    Prompts arrive in chunks of 128 tokens: the statistics and the vote still see the whole
+    prompt (the reference's keep sets)."""
     prompt_ids = prompts((300, 280, 260, 240), seed=6)
     params = [greedy(120, **SPARSE)] * len(prompt_ids)
-    with engine(tiny_model, {"name": "gvote"}, kv_blocks=40, max_model_len=1024) as llm:
+    with engine(tiny_model, {"name": "gvote"}, kv_blocks=40, max_model_len=1024,
+                max_num_batched_tokens=128) as llm:
         most = 0
 
         def watch() -> None:
@@ -148,6 +151,7 @@ def test_preemption_recomputes_the_same_tokens(tiny_model):
         squeezed = run_steps(llm, prompt_ids, params, on_step=watch)
         assert all_blocks_free(llm)
         ample = llm.generate([{"prompt_token_ids": p} for p in prompt_ids[:1]], params[0], use_tqdm=False)
+        assert_parity(llm, reference_model, prompts((300,), seed=3), SPARSE)
     assert most > 0, "the pool was not small enough to preempt anything"
     assert tokens_and_logprobs(squeezed["0"])[0] == tokens_and_logprobs(ample[0])[0]
 

@@ -165,3 +165,15 @@ def test_worker_memory_section_reads_every_row_from_its_json() -> None:
         row = rows[(result["label"], result["policy"])]
         assert float(row[2]) == pytest.approx(result["peak_rss_mib"], abs=0.5)
         assert float(row[4]) == pytest.approx(result["peak_state_mib"], abs=0.05)
+
+
+def test_gvote_section_reads_every_length_from_its_json() -> None:
+    path = RESULTS / "gvote.json"
+    document = json.loads(path.read_text())
+    rows = {row[0]: row for row in body_rows(sections.gvote_section(path, DOC_DIR))}
+    lengths = {result["prompt_tokens"] for result in document["results"]}
+    assert set(rows) == {str(length) for length in lengths}
+    for length in lengths:
+        group = [r for r in document["results"] if r["prompt_tokens"] == length]
+        assert float(rows[str(length)][2]) == pytest.approx(sum(r["blocks_held"] for r in group) / len(group), abs=0.05)
+        assert float(rows[str(length)][4]) == pytest.approx(sum(r["blocks_none"] for r in group) / len(group), abs=0.05)

@@ -12,6 +12,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "kv_update",
     "throughput",
     "worker_memory",
+    "gvote",
     "accuracy",
     "results_page",
 )

@@ -92,6 +92,11 @@ def render(results_dir: Path, page_path: Path) -> str:
         documents.append((memory.name, sections.load(memory)))
         parts += ["## Worker memory", sections.worker_memory_section(memory, page_path.parent)]
 
+    voted = results_dir / "gvote.json"
+    if voted.is_file():
+        documents.append((voted.name, sections.load(voted)))
+        parts += ["## GVote: kept tokens and memory", sections.gvote_section(voted, page_path.parent)]
+
     parts += ["## Machine and versions", sections.machine_section(documents), kvpress_versions(documents)]
     page = "\n\n".join(part for part in parts if part) + "\n"
     page_path.parent.mkdir(parents=True, exist_ok=True)

@@ -242,6 +242,22 @@ def worker_memory_section(path: Path, doc_dir: Path) -> str:
                         markdown_table(*worker_memory.table(document["results"])), notes, path, doc_dir)
 
 
+# ---- gvote ---------------------------------------------------------------------------------
+def gvote_section(path: Path, doc_dir: Path) -> str:
+    """What `gvote` keeps and holds per prompt length, the vote's prefill share, and decode
+    over head-pages vs vLLM's uniform layout."""
+    from vllm_kvprune.bench import gvote
+
+    document = load(path)
+    settings = document.get("settings", {})
+    setup = (f"SmolLM2-135M-Instruct, {settings.get('dtype', 'bfloat16')}, essay prompts ({settings.get('prompts_per_length', MISSING)} per "
+             "length, one at a time), the paper's defaults (p 0.95, 8 samples, 16 future positions); blocks "
+             "read from vLLM's block pool right after the vote.")
+    notes = [gvote.decode_line(document["decode"])] if "decode" in document else []
+    return file_section(f"gvote (`{Path(path).name}`)", document, setup,
+                        markdown_table(*gvote.table(document["results"])), notes, path, doc_dir)
+
+
 # ---- machine -----------------------------------------------------------------------------
 MACHINE_FIELDS = (
     ("CPU", "cpu_model"), ("key CPU flags", "cpu_key_flags"), ("usable cores", "usable_cores"),

@@ -18,7 +18,8 @@ class Policy:
     name: str = "base"
     # "token": one slot map for all layers (survivors/victims below); "block": each layer
     # evicts its own whole blocks (see `PagedEvictionPolicy`); "head": each layer and KV
-    # head evicts its own tokens (see `H2OPolicy`).
+    # head evicts its own tokens (see `H2OPolicy`); "headpage": each layer and KV head keeps
+    # its own number of tokens, in head-pages (see `GVotePolicy`).
     granularity: str = "token"
 
     def survivors(self, logical: np.ndarray, keep: int, config: KVPolicyConfig) -> np.ndarray:

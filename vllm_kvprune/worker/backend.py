@@ -184,6 +184,7 @@ class KVPruneImpl(CPUAttentionBackendImpl):
         """After a prompt's last chunk has attended: this layer's vote, and each head's kept
         tokens packed into the layer's first head-pages (sources are read before any write)."""
         worker_state = runtime.worker_state()
+        started = time.perf_counter()
         paged_layers = worker_state.scores
         layer_index = _layer_index(layer)
         voter = paged_layers.voters[layer.layer_name]
@@ -205,6 +206,7 @@ class KVPruneImpl(CPUAttentionBackendImpl):
                 state.hidden_sum = state.hidden_sumsq = state.hidden_count = None  # the prompt is done
         kernels.copy_slots(_head_page_view(kv_cache), torch.from_numpy(np.concatenate(sources)),
                            torch.from_numpy(np.concatenate(destinations)), layout)
+        worker_state.score_seconds += time.perf_counter() - started
 
     def _accumulate_mass(self, layer, query, kv_cache, attn_metadata, plan: StepPlan,
                          output: torch.Tensor | None = None) -> None:

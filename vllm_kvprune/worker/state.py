@@ -153,8 +153,8 @@ class WorkerKVState:
         self.policy = get_policy(engine_config.name) if engine_config.active else None
         # Once the cache exists: LayerScores (block), HeadMass (head) or PagedLayers (headpage).
         self.scores: LayerScores | HeadMass | PagedLayers | None = None
-        # Wall time spent planning steps and keeping scores (H2O's attention mass), for the
-        # benchmarks.
+        # Wall time spent planning steps and scoring (H2O's attention mass, GVote's vote), for
+        # the benchmarks.
         self.plan_seconds = 0.0
         self.score_seconds = 0.0
         # > 0 while the runner runs a profiling or warm-up batch (no requests: not planned).

@@ -4,6 +4,7 @@ synthetic hidden states into queries. The vote itself is `GVotePolicy`'s."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +14,7 @@ import torch
 from vllm_kvprune import vllm_hooks
 from vllm_kvprune.config import KVPolicyConfig
 from vllm_kvprune.policies.gvote import GVotePolicy
+from vllm_kvprune.worker import runtime
 
 
 @dataclass
@@ -69,8 +71,9 @@ def gather_hidden(paged_layers, layer_index: int, layer_name: str, hidden: torch
         return
     metadata = vllm_hooks.layer_metadata(layer_name)
     plan = getattr(metadata, "kvprune_plan", None)
-    if plan is None:
+    if plan is None or not plan.hidden_rows:
         return
+    started = time.perf_counter()
     for rows in plan.hidden_rows:
         state = rows.state
         if state.hidden_sum is None:
@@ -82,3 +85,4 @@ def gather_hidden(paged_layers, layer_index: int, layer_name: str, hidden: torch
         state.hidden_sum[layer_index] += part.sum(dim=0)
         state.hidden_sumsq[layer_index] += (part * part).sum(dim=0)
         state.hidden_count[layer_index] += rows.stop - rows.start
+    runtime.worker_state().score_seconds += time.perf_counter() - started  # part of the vote's cost

@@ -62,6 +62,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--kv-cases", type=int, default=40)
     parser.add_argument("--arith-cases", type=int, default=40)
     parser.add_argument("--pool-gib", type=float, default=2.0, help="KV pool of each engine")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                        help="model dtype on both sides (float32 is faster on CPUs without bf16 instructions)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="run our engines eagerly (skips vLLM's compilation: quicker for a small run)")
     parser.add_argument("--kvpress", action=argparse.BooleanOptionalAction, default=True,
                         help="run kvpress's presses side by side (needs scripts/setup_kvpress.sh)")
     parser.add_argument("--kvpress-max-prompt", type=int, default=2200,
@@ -100,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
     press_work = [(t, [c for c in cases if len(c.prompt_ids) <= args.kvpress_max_prompt][:args.kvpress_cases])
                   for t, cases in work if t.kvpress_can_run and args.kvpress]
     for policy in ("none", *args.policies):
-        found, timed = ours.run_policy(model, policy, work, args.sinks, args.pool_gib, press_work)
+        found, timed = ours.run_policy(model, policy, work, args.sinks, args.pool_gib, press_work,
+                                       dtype=args.dtype, enforce_eager=args.enforce_eager)
         records += found
         timings += timed
     pairs = {policy: kvpress_side.PRESS_OF_POLICY[policy] for policy in args.policies}
@@ -108,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
         full_cache: dict = {}
         for press in ("none", *pairs.values()):
             found, timed = kvpress_side.run_press(model, press, press_work, tokenizer, args.sinks,
-                                                  args.kvpress_threads, full_cache, args.kvpress_timeout)
+                                                  args.kvpress_threads, full_cache, args.kvpress_timeout, args.dtype)
             records += found
             timings += timed
     write_reports(args, tasks, records, timings, pairs, time.perf_counter() - started)
@@ -124,8 +129,9 @@ def write_reports(args: argparse.Namespace, tasks: list[Task], records: list[dic
     settings = {key: getattr(args, key) for key in (
         "tasks", "policies", "budgets", "sinks", "seed", "ppl_segments", "ppl_tokens", "needle_contexts",
         "needle_depths", "needle_budgets", "kv_cases", "arith_cases", "kvpress", "kvpress_max_prompt", "kvpress_cases",
-        "kvpress_threads")}
-    settings.update(model="SmolLM2-135M-Instruct", dtype="bfloat16", engine=dict(ENGINE_OPTIONS), run_s=run_seconds,
+        "kvpress_threads", "dtype")}
+    settings.update(model="SmolLM2-135M-Instruct", engine=dict(ENGINE_OPTIONS, dtype=args.dtype,
+                                                                enforce_eager=args.enforce_eager), run_s=run_seconds,
                     press_of_policy=pairs)
     for task in tasks:
         mine = [r for r in records if r["task"] == task.name]

@@ -44,14 +44,14 @@ def press_spec(press: str, sinks: int) -> dict[str, Any]:
 
 def run_press(model: str, press: str, work: Sequence[tuple[Task, list[Case]]],
               tokenizer: Any, sinks: int, threads: int, full_cache: dict[tuple[str, str], Answer],
-              timeout: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+              timeout: float, dtype: str = "bfloat16") -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Records and timings of one press (`none`: full cache) on the tasks kvpress can run.
     `full_cache` maps (task, case id) to kvpress's full-cache answer; `none` fills it."""
     records, timings = [], []
     for task, cases in work:
         runs = matched_runs(cases, None if press == "none" else task.budgets)
         job = {"model": model, "prompts": [case.prompt_ids for case, _ in runs], "max_new_tokens": max(
-            (case.max_tokens for case, _ in runs), default=1), "dtype": "bfloat16", "threads": threads,
+            (case.max_tokens for case, _ in runs), default=1), "dtype": dtype, "threads": threads,
             "stop_at_eos": True, "press": {"name": "none"} if press == "none" else press_spec(press, sinks),
             "compression_ratios": [None if b is None else compression_ratio(len(c.prompt_ids), b - 1) for c, b in runs]}
         print(f"[{KVPRESS} {press}] {task.name}: {len(runs)} runs", flush=True)

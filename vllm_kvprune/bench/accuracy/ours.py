@@ -18,11 +18,13 @@ ENGINE_OPTIONS: dict[str, Any] = dict(dtype="bfloat16", block_size=32, max_model
                                       enable_prefix_caching=False, seed=0)
 
 
-def build_engine(model: str, policy: str, budget: int | None, sinks: int, pool_gib: float):
+def build_engine(model: str, policy: str, budget: int | None, sinks: int, pool_gib: float,
+                 **overrides: Any):
+    """`overrides`: engine options that replace ENGINE_OPTIONS' (`dtype`, `enforce_eager`)."""
     from vllm import LLM
 
     options = dict(ENGINE_OPTIONS, model=model, kv_cache_memory_bytes=int(pool_gib * 2**30),
-                   logits_processors=[ForcedTokens])
+                   logits_processors=[ForcedTokens], **overrides)
     if policy != "none":
         options["additional_config"] = {"kv_policy": {"name": policy, "budget": budget, "sinks": sinks}}
     return LLM(**options)
@@ -47,13 +49,13 @@ def answer_of(output: Any) -> Answer:
 
 
 def run_policy(model: str, policy: str, work: Sequence[tuple[Task, list[Case]]],
-               sinks: int, pool_gib: float, kvpress_work: Sequence[tuple[Task, list[Case]]] = ()
-               ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+               sinks: int, pool_gib: float, kvpress_work: Sequence[tuple[Task, list[Case]]] = (),
+               **overrides: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Records and timings of one policy (`none`: the full cache, budget None) on every task.
     The runs kvpress makes of `kvpress_work` are then timed again on their own, so the two
     sides' wall times cover the same prompts and budgets."""
     all_budgets = {b for task, _ in work for b in task.budgets}
-    llm = build_engine(model, policy, max(all_budgets) if policy != "none" else None, sinks, pool_gib)
+    llm = build_engine(model, policy, max(all_budgets) if policy != "none" else None, sinks, pool_gib, **overrides)
     records, timings = [], []
     try:
         for task, cases in work:
