@@ -29,6 +29,21 @@ ENGINE_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 
+def engine_scheduler(llm: Any) -> Any:
+    """The scheduler of an in-process engine (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, ENGINE_ENV)."""
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def model_runner(llm: Any) -> Any:
+    """The worker's model runner of an in-process engine (ours when a policy is on)."""
+    return llm.llm_engine.model_executor.driver_worker.worker.model_runner
+
+
+def shutdown(llm: Any) -> None:
+    """Stops the engine core now (in-process engines do not stop when `llm` is dropped)."""
+    llm.llm_engine.engine_core.shutdown()
+
+
 # CPU flags that decide which kernels run (ours and vLLM's); the full list is kept too.
 KEY_CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
 

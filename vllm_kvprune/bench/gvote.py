@@ -85,10 +85,8 @@ def _memory_and_prefill(model: str, prompts: dict[int, list[list[int]]], longest
     """One request at a time: its prompt step's time and the vote's share of it, then what it
     keeps and holds once voted."""
     llm = _engine(model, {"name": "gvote"}, longest, dtype)
-    engine = llm.llm_engine
-    scheduler = engine.engine_core.engine_core.scheduler
-    runner = engine.model_executor.driver_worker.worker.model_runner
-    kv_state = runner.kv_state
+    engine, scheduler = llm.llm_engine, common.engine_scheduler(llm)
+    kv_state = common.model_runner(llm).kv_state
     rows = []
     for length, group in prompts.items():
         for index, prompt in enumerate(group):
@@ -127,7 +125,7 @@ def _decode(model: str, prompts: list[list[int]], steps: int, dtype: str) -> dic
     result = {}
     for name, policy, extra in (("none", None, {}), ("gvote_keep_all", {"name": "gvote"}, {"kv_gvote_p": 1.0})):
         llm = _engine(model, policy, len(prompts[0]) + steps, dtype)
-        engine = llm.llm_engine
+        engine, scheduler = llm.llm_engine, common.engine_scheduler(llm)
         for index, prompt in enumerate(prompts):
             engine.add_request(f"d{index}", {"prompt_token_ids": prompt}, _greedy(steps + 4, **extra))
         times = []
@@ -136,7 +134,7 @@ def _decode(model: str, prompts: list[list[int]], steps: int, dtype: str) -> dic
             outputs = engine.step()
             elapsed = time.perf_counter() - started
             if all(request.num_computed_tokens > request.num_prompt_tokens
-                   for request in engine.engine_core.engine_core.scheduler.running) and outputs:
+                   for request in scheduler.running) and outputs:
                 times.append(elapsed)
         result[name] = {"median_step_ms": 1000 * statistics.median(times[1:-1]), "steps": len(times)}
         print(f"[gvote] decode {name}: {result[name]['median_step_ms']:.1f} ms per step", flush=True)
@@ -149,7 +147,7 @@ def _decode(model: str, prompts: list[list[int]], steps: int, dtype: str) -> dic
 def _shutdown(llm) -> None:
     import gc
 
-    llm.llm_engine.engine_core.shutdown()
+    common.shutdown(llm)
     del llm
     gc.collect()
 

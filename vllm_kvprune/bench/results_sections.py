@@ -250,7 +250,8 @@ def gvote_section(path: Path, doc_dir: Path) -> str:
 
     document = load(path)
     settings = document.get("settings", {})
-    setup = (f"SmolLM2-135M-Instruct, {settings.get('dtype', 'bfloat16')}, essay prompts ({settings.get('prompts_per_length', MISSING)} per "
+    dtype, per_length = settings.get("dtype", "bfloat16"), settings.get("prompts_per_length", MISSING)
+    setup = (f"SmolLM2-135M-Instruct, {dtype}, essay prompts ({per_length} per "
              "length, one at a time), the paper's defaults (p 0.95, 8 samples, 16 future positions); blocks "
              "read from vLLM's block pool right after the vote.")
     notes = [gvote.decode_line(document["decode"])] if "decode" in document else []

@@ -210,10 +210,6 @@ def sampling_params(max_tokens: int):
     )
 
 
-def engine_scheduler(llm):
-    return llm.llm_engine.engine_core.engine_core.scheduler
-
-
 def request_blocks(scheduler, request_id: str) -> int:
     """Real (non-null) blocks a request holds, over all KV cache groups."""
     managers = scheduler.kv_cache_manager.coordinator.single_type_managers
@@ -267,7 +263,7 @@ def tokens_in_flight(scheduler) -> int:
 def run_batch(llm, prompts: Sequence[list[int]], gen_tokens: int, tag: str, progress: ProgressFile) -> BatchStats:
     """Add every request, step the engine until all are done, sample after each step."""
     engine = llm.llm_engine
-    scheduler = engine_scheduler(llm)
+    scheduler = common.engine_scheduler(llm)
     params = sampling_params(gen_tokens)
     stats = BatchStats()
     preemptions: dict[str, int] = {}
@@ -314,7 +310,7 @@ def run_case(engine: EngineSettings, case: Case, progress: ProgressFile) -> dict
         for repeat in range(workload.repeats)
     ]
     best = max(batches, key=lambda batch: batch.tokens_per_s)
-    pool = engine_scheduler(llm).kv_cache_manager.block_pool
+    pool = common.engine_scheduler(llm).kv_cache_manager.block_pool
     return {
         **best.to_dict(),
         "usable_pool_blocks": pool.num_gpu_blocks - 1,

@@ -92,7 +92,7 @@ def measure(policy_name: str, num_requests: int, prompt_tokens: int, gen_tokens:
     llm = LLM(model=model, dtype="bfloat16", enforce_eager=True, block_size=BLOCK_SIZE, max_model_len=context + 64,
               max_num_seqs=num_requests, enable_prefix_caching=False, kv_cache_memory_bytes=pool_blocks * page,
               **({"additional_config": {"kv_policy": policy}} if policy else {}))
-    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    runner = common.model_runner(llm)
     state = getattr(runner, "kv_state", None)
     text_ids = llm.get_tokenizer()(assets.essays_text())["input_ids"]
     started_rss = _rss_mib()
@@ -101,7 +101,7 @@ def measure(policy_name: str, num_requests: int, prompt_tokens: int, gen_tokens:
         start = (i * 997) % (len(text_ids) - prompt_tokens)
         core.add_request(str(i), {"prompt_token_ids": text_ids[start:start + prompt_tokens]},
                          SamplingParams(temperature=0, max_tokens=gen_tokens, ignore_eos=True))
-    scheduler = core.engine_core.engine_core.scheduler
+    scheduler = common.engine_scheduler(llm)
     peak_state, decode_seconds, decode_plan_seconds, decode_steps, started = 0, 0.0, 0.0, 0, time.perf_counter()
     while core.has_unfinished_requests():
         all_decoding = len(scheduler.running) == num_requests and all(

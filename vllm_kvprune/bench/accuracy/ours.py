@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence
 
+from vllm_kvprune.bench import common
 from vllm_kvprune.bench.accuracy.forced import FORCED_KEY, ForcedTokens
 from vllm_kvprune.bench.accuracy.kvpress_side import matched_runs
 from vllm_kvprune.bench.accuracy.report import OURS
@@ -79,7 +80,7 @@ def run_policy(model: str, policy: str, work: Sequence[tuple[Task, list[Case]]],
             timings.append({"system": OURS, "method": policy, "task": task.name, "runs": len(runs),
                             "seconds": time.perf_counter() - started, "cases": "kvpress"})
     finally:
-        llm.llm_engine.engine_core.shutdown()
+        common.shutdown(llm)
         del llm
     return records, timings
 
