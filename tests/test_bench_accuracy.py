@@ -18,8 +18,8 @@ PPL_TOKENS = 300
 @pytest.fixture(scope="module")
 def small_run(tmp_path_factory, kvpress_venv):
     out = tmp_path_factory.mktemp("accuracy")
-    command = [sys.executable, "-m", "vllm_kvprune.bench", "accuracy", "--policies", "streaming", "h2o",
-               "--budgets", "128", "--ppl-segments", "1", "--ppl-tokens", str(PPL_TOKENS),
+    command = [sys.executable, "-m", "vllm_kvprune.bench", "accuracy", "--policies", "streaming", "h2o", "gvote",
+               "--gvote-p", "0.95", "--gvote-samples", "8", "--budgets", "128", "--ppl-segments", "1", "--ppl-tokens", str(PPL_TOKENS),
                "--needle-contexts", "1024", "--needle-depths", "0", "100", "--needle-budgets", "256",
                "--kv-cases", "2", "--arith-cases", "2", "--kvpress-cases", "2", "--out-dir", str(out),
                # float32 and eager: bf16 matmuls are emulated, and slow, on CPUs without bf16
@@ -39,7 +39,7 @@ def load(out: Path, task: str) -> dict:
 def test_every_method_answers_every_case(small_run):
     for task, budgets, cases in (("needle", [256], 2), ("kv_retrieval", [128], 2), ("arithmetic", [128], 2)):
         document = load(small_run, task)
-        records = document["results"]
+        records = [r for r in document["results"] if r["method"] != "gvote"]  # budget-free: its own test
         ours = {(r["method"], r["budget"]) for r in records if r["system"] == "vllm-kvprune"}
         assert ours == {("none", None), *((p, b) for p in ("streaming", "h2o") for b in budgets)}
         for key in ours:
@@ -52,6 +52,36 @@ def test_every_method_answers_every_case(small_run):
                 assert record["kv_kept"] == record["budget"] - 1
         assert document["side_by_side"]["rows"] and (small_run / f"accuracy_{task}.png").stat().st_size > 0
     assert (small_run / "accuracy_needle_heatmap.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_kv_memory_is_read_from_the_block_pool(small_run):
+    """Every answer's `kv_blocks` (mean blocks held while answering): exactly the cap for a
+    budgeted policy whose prompt passed it, the prompt and answer's blocks under `none`, and
+    for `gvote` what its kept lengths need, never more than `none` (one block of decode
+    lookahead aside) and at least the per-layer mean."""
+    for task, budget in (("needle", 256), ("kv_retrieval", 128), ("arithmetic", 128)):
+        cap = math.ceil((budget + 1) / 32)  # prune interval 1
+        records = [r for r in load(small_run, task)["results"] if r["system"] == "vllm-kvprune"]
+        none = {r["case_id"]: r for r in records if r["method"] == "none"}
+        for case_id, record in none.items():
+            prompt = record["prompt_tokens"]
+            assert math.ceil((prompt + 1) / 32) <= record["kv_blocks"] <= math.ceil((prompt + 32) / 32), case_id
+        for record in records:
+            if record["method"] in ("streaming", "h2o"):
+                if record["prompt_tokens"] >= cap * 32:
+                    assert record["kv_blocks"] == cap, (task, record["case_id"])
+                assert record["kv_blocks"] <= cap
+        voted = [r for r in records if r["method"] == "gvote"]
+        assert len(voted) == len(none) and all((r["gvote_p"], r["gvote_samples"]) == (0.95, 8) for r in voted)
+        for record in voted:
+            full = none[record["case_id"]]["kv_blocks"]
+            assert record["kv_blocks_per_layer"] <= record["kv_blocks"] <= full + 1, (task, record["case_id"])
+        if task == "needle":  # 1K-token prompts: the vote gives back a part of every layer on average
+            assert all(r["kv_blocks_per_layer"] < none[r["case_id"]]["kv_blocks"] for r in voted)
+        assert (small_run / f"accuracy_{task}_memory.png").stat().st_size > 0
+    assert not any(r["method"] == "gvote" for r in load(small_run, "perplexity")["results"])
+    assert (small_run / "accuracy_gvote_sweeps.png").stat().st_size > 0
 
 
 @pytest.mark.slow
@@ -100,5 +130,11 @@ def test_results_page_renders_every_table(small_run, tmp_path):
         table = load(small_run, task)["table"]
         assert "| " + " | ".join(table["rows"][0]) + " |" in page
     assert "## Throughput" in page and "## KV update" in page and "kvpress 0.5.5" in page
+    from vllm_kvprune.bench.accuracy import memory
+    from vllm_kvprune.bench.accuracy.needle import Needle
+
+    found = memory.points(Needle(), load(small_run, "needle")["results"])
+    _, (row,) = memory.equal_memory_table(Needle(), found)
+    assert "| " + " | ".join(row) + " |" in page and "### gvote's sweeps over p and S" in page
     for link in [line.split("](")[1].rstrip(")") for line in page.splitlines() if line.startswith("![")]:
         assert (page_path.parent / link).resolve().is_file(), link

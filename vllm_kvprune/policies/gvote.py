@@ -55,11 +55,8 @@ class GVotePolicy(Policy):
         samples, num_q_heads, head_dim = synthetic.shape
         grouped = synthetic.float().view(samples, num_kv_heads, -1, head_dim)
         logits = torch.einsum("shgd,hpd->hgsp", grouped, keys.float()) * scale  # [H, G, S, P]
-        # One top-k at the largest budget, then each query head keeps its own prefix of it.
-        largest = int(budgets.max())
-        top = torch.topk(logits, largest, dim=-1).indices  # [H, G, S, largest], best first
-        wanted = torch.arange(largest) < budgets.view(num_kv_heads, -1, 1, 1)
-        mask = torch.zeros(num_kv_heads, num_keys, dtype=torch.bool)
-        heads = torch.arange(num_kv_heads).view(-1, 1, 1, 1).expand_as(top)
-        mask[heads[wanted.expand_as(top)], top[wanted.expand_as(top)]] = True
-        return mask
+        # One top-k at the largest budget gives each query head the logit of its own
+        # budget-th key; a key is voted for where its logit reaches that threshold.
+        top = torch.topk(logits, int(budgets.max()), dim=-1).values  # [H, G, S, largest], best first
+        rank = (budgets.view(num_kv_heads, -1, 1, 1) - 1).expand(-1, -1, samples, 1)
+        return (logits >= top.gather(-1, rank)).any(dim=2).any(dim=1)

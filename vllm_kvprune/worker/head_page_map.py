@@ -138,6 +138,16 @@ class HeadPageMap:
         pages = (-(-(self.lengths + extra_tokens) // bs)).sum(axis=1)
         return int(-(-pages.max() // self.num_heads))
 
+    def mean_layer_blocks(self) -> float:
+        """Blocks per layer, averaged over layers: what the request would hold if every layer
+        had a block table of its own (`blocks_needed` is the fullest layer's count, the one a
+        block table shared by all layers must hold)."""
+        bs = self.block_size
+        if self.lengths is None:
+            return float(-(-self.num_uniform // bs))
+        pages = (-(-self.lengths // bs)).sum(axis=1)
+        return float((-(-pages // self.num_heads)).mean())
+
     # ---- what the kernel reads ----------------------------------------------------------
     def page_tables(self, num_pages: int) -> np.ndarray:
         """Local head-pages `[L, H, num_pages]` of every layer (SKIP past a head's own)."""

@@ -81,8 +81,20 @@ def gather_hidden(paged_layers, layer_index: int, layer_name: str, hidden: torch
             state.hidden_sum = torch.zeros(shape, dtype=torch.float64)
             state.hidden_sumsq = torch.zeros(shape, dtype=torch.float64)
             state.hidden_count = torch.zeros(paged_layers.num_layers, dtype=torch.int64)
-        part = hidden[rows.start: rows.stop].double()
-        state.hidden_sum[layer_index] += part.sum(dim=0)
-        state.hidden_sumsq[layer_index] += (part * part).sum(dim=0)
+        part_sum, part_sumsq = _sums(hidden[rows.start: rows.stop])
+        state.hidden_sum[layer_index] += part_sum
+        state.hidden_sumsq[layer_index] += part_sumsq
         state.hidden_count[layer_index] += rows.stop - rows.start
     runtime.worker_state().score_seconds += time.perf_counter() - started  # part of the vote's cost
+
+
+def _sums(part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel sum and sum of squares of `part [N, hidden]`, accumulated in float64. A
+    16-bit float squared is exact in float32 (8 or 11 significant bits, doubled, fit in 24),
+    so half-precision rows are squared in float32, about 5x faster than in float64 and with the
+    same result; float32 rows are squared in float64."""
+    if part.dtype in (torch.bfloat16, torch.float16):
+        wide = part.float()
+    else:
+        wide = part.double()
+    return wide.sum(dim=0, dtype=torch.float64), (wide * wide).sum(dim=0, dtype=torch.float64)

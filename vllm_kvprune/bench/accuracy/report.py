@@ -1,7 +1,9 @@
 """Tables and plots of the accuracy records, shared by every task.
 
 A record is one answer: `task`, `case_id`, `system` (`vllm-kvprune` or `kvpress`), `method`
-(our policy or kvpress's press), `budget` (None: full cache) and the task's score fields.
+(our policy or kvpress's press), `budget` (None: full cache, or a budget-free policy), the
+task's score fields and, for ours, `kv_blocks` (the blocks the request held while answering)
+and a budget-free policy's settings (`gvote_p`, `gvote_samples`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from vllm_kvprune.bench.accuracy.task import Task
 OURS = "vllm-kvprune"
 KVPRESS = "kvpress"
 FULL_CACHE = "full cache"
+# Policies with no budget: each request's memory is theirs to choose, so they are compared
+# with the others at equal memory, one point per setting.
+BUDGET_FREE = ("gvote",)
 
 
 def method_keys(records: Iterable[dict[str, Any]]) -> list[tuple[str, str]]:
@@ -33,6 +38,7 @@ def budget_table(task: Task, records: Sequence[dict[str, Any]],
                  budgets: Sequence[int]) -> tuple[list[str], list[list[str]]]:
     """One row per (system, method): the task's metric at each budget, or under the full cache,
     and how many cases it ran (kvpress runs fewer)."""
+    records = [r for r in records if r["method"] not in BUDGET_FREE]
     groups = grouped(records)
     headers = ["system", "method", "cases", FULL_CACHE, *map(str, budgets)]
     rows = []
@@ -79,7 +85,7 @@ def plot_vs_budget(task: Task, records: Sequence[dict[str, Any]], path: Path) ->
     """The metric against the budget, one line per method; full-cache runs as flat lines."""
     from vllm_kvprune.bench import common
 
-    groups = grouped(records)
+    groups = grouped(r for r in records if r["method"] not in BUDGET_FREE)
     figure, axes = common.new_figure(6.5, 4.0)
     for system, method in method_keys(records):
         style = "-" if system == OURS else "--"
