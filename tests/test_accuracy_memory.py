@@ -93,3 +93,14 @@ def test_budget_free_policies_run_settings_and_skip_teacher_forced_tasks():
     assert [(r.budget, r.settings) for r in ours.policy_runs("h2o", task, [prompt], settings)] == [
         (128, {"kv_budget": 128}), (256, {"kv_budget": 256})]
     assert [(r.budget, r.settings) for r in ours.policy_runs("none", task, [prompt], settings)] == [(None, {})]
+
+
+def test_needle_heat_map_gives_the_full_cache_and_gvote_panels_of_their_own():
+    from vllm_kvprune.bench.accuracy import report
+
+    records = [record("a", "none", None, True, 10), record("a", "h2o", 256, False, 9),
+               record("a", "h2o", 1024, True, 33), record("a", "streaming", 256, False, 9),
+               record("a", "gvote", None, False, 9, 4, gvote_p=0.95, gvote_samples=8)]
+    panels = report.heat_map_panels(report.grouped(records))
+    assert sorted(panels.values()) == [(0, 0, "none"), (0, 1, "gvote p=0.95 S=8"), (1, 0, "h2o 256"),
+                                       (1, 1, "h2o 1024"), (2, 0, "streaming 256")]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from vllm_kvprune.bench.accuracy.report import BUDGET_FREE, OURS
+from vllm_kvprune.bench.accuracy.report import BUDGET_FREE, OURS, default_setting
 from vllm_kvprune.bench.accuracy.task import Task
 
 
@@ -136,7 +136,7 @@ def plot_vs_memory(task: Task, found: Sequence[Point], path: Path) -> None:
         if p.method == "none":
             axes.axhline(p.value, linestyle=":", color="black", label="none (full cache)")
     voted = [p for p in found if p.method in BUDGET_FREE]
-    default = _default_samples()
+    default = default_setting()[1]
     p_sweep = sorted((p for p in voted if p.gvote_samples == default), key=lambda p: p.memory)
     if p_sweep:
         axes.plot([100 * p.memory for p in p_sweep], [p.value for p in p_sweep], marker="*", markersize=9,
@@ -163,12 +163,6 @@ def plot_vs_memory(task: Task, found: Sequence[Point], path: Path) -> None:
     common.save_figure(figure, path)
 
 
-def _default_samples() -> int:
-    from vllm_kvprune.config import KVPolicyConfig
-
-    return KVPolicyConfig(name="gvote").gvote_samples
-
-
 def sweep_rows(found_by_task: dict[str, tuple[Task, list[Point]]]) -> tuple[list[str], list[list[str]]]:
     """GVote's own sweeps (the paper's Fig. 7: p; Fig. 8: samples): each setting's metric and
     memory on every task that ran it."""
@@ -191,14 +185,13 @@ def plot_sweeps(found_by_task: dict[str, tuple[Task, list[Point]]], path: Path) 
     """Two panels, as the paper's Fig. 7 and 8: metric and memory against p (default S) and
     against S (default p), one line per task."""
     from vllm_kvprune.bench import common
-    from vllm_kvprune.config import KVPolicyConfig
 
-    defaults = KVPolicyConfig(name="gvote")
+    default_p, default_samples = default_setting()
     figure, (by_p, by_samples) = _two_panels(common)
     for name, (task, found) in found_by_task.items():
         voted = [p for p in found if p.method in BUDGET_FREE]
-        swept_p = sorted((p for p in voted if p.gvote_samples == defaults.gvote_samples), key=lambda p: p.gvote_p)
-        swept_s = sorted((p for p in voted if p.gvote_p == defaults.gvote_p), key=lambda p: p.gvote_samples)
+        swept_p = sorted((p for p in voted if p.gvote_samples == default_samples), key=lambda p: p.gvote_p)
+        swept_s = sorted((p for p in voted if p.gvote_p == default_p), key=lambda p: p.gvote_samples)
         for axes, sweep, key in ((by_p, swept_p, "gvote_p"), (by_samples, swept_s, "gvote_samples")):
             if sweep:
                 line = axes.plot([getattr(p, key) for p in sweep], [p.value for p in sweep], marker="o",
@@ -206,8 +199,8 @@ def plot_sweeps(found_by_task: dict[str, tuple[Task, list[Point]]], path: Path) 
                 for p in sweep:
                     axes.annotate(f"{100 * p.memory:.0f}%", (getattr(p, key), p.value), fontsize=6,
                                   color=line.get_color(), xytext=(2, 3), textcoords="offset points")
-    by_p.set_xlabel(f"p_nuc (S = {defaults.gvote_samples})")
-    by_samples.set_xlabel(f"samples S (p = {defaults.gvote_p:g})")
+    by_p.set_xlabel(f"p_nuc (S = {default_samples})")
+    by_samples.set_xlabel(f"samples S (p = {default_p:g})")
     by_samples.set_xscale("log", base=2)
     for axes in (by_p, by_samples):
         axes.set_ylabel("accuracy (labels: memory, % of none)")

@@ -18,9 +18,8 @@ from typing import Any, Sequence
 from vllm_kvprune.bench import common
 from vllm_kvprune.bench.accuracy.forced import FORCED_KEY, ForcedTokens
 from vllm_kvprune.bench.accuracy.kvpress_side import matched_runs
-from vllm_kvprune.bench.accuracy.report import BUDGET_FREE, OURS
+from vllm_kvprune.bench.accuracy.report import BUDGET_FREE, OURS, default_setting
 from vllm_kvprune.bench.accuracy.task import Answer, Case, Task
-from vllm_kvprune.config import KVPolicyConfig
 
 ENGINE_OPTIONS: dict[str, Any] = dict(dtype="bfloat16", block_size=32, max_model_len=8192, max_num_seqs=32,
                                       enable_prefix_caching=False, seed=0)
@@ -39,9 +38,9 @@ class Run:
 def gvote_settings(p_values: Sequence[float], sample_counts: Sequence[int]) -> list[dict[str, Any]]:
     """The paper's two sweeps (Fig. 7 and 8): every `p` at the default sample count, every
     sample count at the default `p`; the default setting once."""
-    defaults = KVPolicyConfig(name="gvote")
-    points = [(p, defaults.gvote_samples) for p in p_values] + [(defaults.gvote_p, s) for s in sample_counts]
-    points.append((defaults.gvote_p, defaults.gvote_samples))
+    default_p, default_samples = default_setting()
+    points = [(p, default_samples) for p in p_values] + [(default_p, s) for s in sample_counts]
+    points.append((default_p, default_samples))
     return [{"kv_gvote_p": p, "kv_gvote_samples": s} for p, s in dict.fromkeys(points)]
 
 

@@ -108,26 +108,52 @@ def plot_vs_budget(task: Task, records: Sequence[dict[str, Any]], path: Path) ->
 def plot_heat_maps(records: Sequence[dict[str, Any]], contexts: Sequence[int], depths: Sequence[int],
                    path: Path) -> None:
     """The usual needle picture: hit (green) or miss (red) by context length and depth, one
-    panel per method and budget (ours only)."""
+    panel per method and budget (ours only; a budget-free policy at its default setting)."""
     from vllm_kvprune.bench import common
 
-    groups = grouped(r for r in records if r["system"] == OURS)
-    budgets = sorted({k[2] for k in groups if k[2] is not None})
-    policies = list(dict.fromkeys(k[1] for k in groups if k[2] is not None))
-    # The full cache alone on the first row; then one row per policy, one column per budget.
-    places = {key: (0, 0) if key[2] is None else (1 + policies.index(key[1]), budgets.index(key[2]))
-              for key in groups}
-    rows, columns = 1 + len(policies), max(1, len(budgets))
+    default = default_setting()
+    groups = grouped(r for r in records if r["system"] == OURS and (
+        r["method"] not in BUDGET_FREE or (r.get("gvote_p"), r.get("gvote_samples")) == default))
+    panels = heat_map_panels(groups)
+    rows = 1 + max(row for row, _, _ in panels.values())
+    columns = 1 + max(column for _, column, _ in panels.values())
     figure, _ = common.new_figure(2.6 * columns, 2.2 * rows + 0.4)
     figure.clf()
-    for key, (row, column) in places.items():
+    for key, (row, column, title) in panels.items():
         hit = {(r["facts"]["context"], r["facts"]["depth"]): r["hit"] for r in groups[key]}
         grid = [[float(hit.get((c, d), float("nan"))) for c in contexts] for d in depths]
         panel = figure.add_subplot(rows, columns, row * columns + column + 1)
         panel.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
-        panel.set_title(key[1] if key[2] is None else f"{key[1]} {key[2]}", fontsize=8)
+        panel.set_title(title, fontsize=8)
         panel.set_xticks(range(len(contexts)), [f"{c / 1024:g}K" for c in contexts], fontsize=6)
         panel.set_yticks(range(len(depths)), [f"{d}%" for d in depths], fontsize=6)
     figure.supxlabel("context length")
     figure.supylabel("needle depth")
     common.save_figure(figure, path)
+
+
+def heat_map_panels(groups: dict[tuple[str, str, int | None], list[dict[str, Any]]]) -> dict[tuple, tuple[int, int, str]]:
+    """(row, column, title) of each (system, method, budget) group's panel: the full cache and
+    each budget-free policy (its records at the default setting) on the first row, then one
+    row per budgeted policy, one column per budget."""
+    p_nuc, samples = default_setting()
+    budgets = sorted({k[2] for k in groups if k[2] is not None})
+    policies = list(dict.fromkeys(k[1] for k in groups if k[2] is not None))
+    free = list(dict.fromkeys(k[1] for k in groups if k[1] in BUDGET_FREE))
+    panels = {}
+    for key in groups:
+        if key[1] in BUDGET_FREE:
+            panels[key] = (0, 1 + free.index(key[1]), f"{key[1]} p={p_nuc:g} S={samples}")
+        elif key[2] is None:
+            panels[key] = (0, 0, key[1])
+        else:
+            panels[key] = (1 + policies.index(key[1]), budgets.index(key[2]), f"{key[1]} {key[2]}")
+    return panels
+
+
+def default_setting() -> tuple[float, int]:
+    """`gvote`'s default (p, S): the setting a budget-free policy is shown at by itself."""
+    from vllm_kvprune.config import KVPolicyConfig
+
+    defaults = KVPolicyConfig(name="gvote")
+    return defaults.gvote_p, defaults.gvote_samples
