@@ -131,22 +131,22 @@ class HeadPageMap:
 
     def blocks_needed(self, extra_tokens: int = 0) -> int:
         """Blocks the request must hold for its tokens plus `extra_tokens` more in every head
-        (a layer's pages are exactly `sum_h ceil(len_h / bs)`: no page is ever given up)."""
-        bs = self.block_size
-        if self.lengths is None:
-            return -(-(self.num_uniform + extra_tokens) // bs)
-        pages = (-(-(self.lengths + extra_tokens) // bs)).sum(axis=1)
-        return int(-(-pages.max() // self.num_heads))
+        (a layer's pages are exactly `sum_h ceil(len_h / bs)`: no page is ever given up); one
+        block table serves every layer, so the fullest layer sets the count."""
+        return int(self._layer_blocks(extra_tokens).max())
 
     def mean_layer_blocks(self) -> float:
         """Blocks per layer, averaged over layers: what the request would hold if every layer
-        had a block table of its own (`blocks_needed` is the fullest layer's count, the one a
-        block table shared by all layers must hold)."""
+        had a block table of its own."""
+        return float(self._layer_blocks(0).mean())
+
+    def _layer_blocks(self, extra_tokens: int) -> np.ndarray:
+        """Blocks each layer's head-pages fill `[L]` (every layer alike before the vote)."""
         bs = self.block_size
         if self.lengths is None:
-            return float(-(-self.num_uniform // bs))
-        pages = (-(-self.lengths // bs)).sum(axis=1)
-        return float((-(-pages // self.num_heads)).mean())
+            return np.full(self.num_layers, -(-(self.num_uniform + extra_tokens) // bs))
+        pages = (-(-(self.lengths + extra_tokens) // bs)).sum(axis=1)
+        return -(-pages // self.num_heads)
 
     # ---- what the kernel reads ----------------------------------------------------------
     def page_tables(self, num_pages: int) -> np.ndarray:

@@ -203,7 +203,7 @@ def load_kvpress_records(args: argparse.Namespace) -> tuple[list[dict[str, Any]]
             if earlier.get(key) != getattr(args, key):
                 raise SystemExit(f"--reuse-kvpress: {path} was run with {key}={earlier.get(key)!r}, "
                                  f"this run has {getattr(args, key)!r}")
-        budgets = {None, *(getattr(args, "needle_budgets") if name == "needle" else args.budgets)}
+        budgets = {None, *(args.needle_budgets if name == "needle" else args.budgets)}
         records += [r for r in document["results"] if r["system"] == KVPRESS and r["budget"] in budgets]
         timings += [t for t in document.get("timings", []) if t["system"] == KVPRESS]
     return records, timings

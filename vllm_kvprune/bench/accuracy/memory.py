@@ -141,7 +141,6 @@ def plot_vs_memory(task: Task, found: Sequence[Point], path: Path) -> None:
     if p_sweep:
         axes.plot([100 * p.memory for p in p_sweep], [p.value for p in p_sweep], marker="*", markersize=9,
                   color="crimson", label=f"gvote, p swept (S={default})")
-    if p_sweep:
         axes.plot([100 * p.memory_per_layer for p in p_sweep], [p.value for p in p_sweep], marker="*",
                   markersize=9, color="crimson", linestyle="--", markerfacecolor="none",
                   label="gvote, p swept, with a block table per layer")
