@@ -26,6 +26,15 @@ def _answer_vllm_version_with(dist: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["calibrate", "fdc"]:
+        from vllm_kvprune.fdc.cli import main as calibrate_fdc
+
+        sys.exit(calibrate_fdc(argv[2:]))
+    if argv[:1] == ["calibrate"]:
+        named = len(argv) > 1 and not argv[1].startswith("-")
+        print("vllm-kvprune calibrate: error: " + (f"unknown method {argv[1]!r} (choose from: fdc)" if named else
+              "name the method to calibrate: vllm-kvprune calibrate fdc MODEL --out FILE"), file=sys.stderr)
+        sys.exit(2)
     vllm = installed_vllm()
     if argv[:1] in (["--version"], ["-v"], ["-V"]):
         vllm_text = f"{vllm[0]} {vllm[1]}" if vllm else "vLLM not installed"

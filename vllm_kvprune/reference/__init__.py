@@ -6,6 +6,7 @@ with a contiguous per-layer cache.  See DESIGN.md section 7.
 * :mod:`.paged_eviction`: PagedEviction (token pruning at prefill, block eviction at decode).
 * :mod:`.h2o`: H2O (heavy hitters by attention mass, per KV head, with eager attention).
 * :mod:`.gvote`: GVote (per-head keep sets voted by synthetic Gaussian queries, no budget).
+* :mod:`.fdc`: FDC (post-RoPE rotations, attention in each head's reduced dimensions).
 """
 
 from .model import (
@@ -22,6 +23,7 @@ from .model import (
 __all__ = [
     "BudgetedReference",
     "ContiguousKVCache",
+    "FdcReference",
     "GVoteReference",
     "H2OReference",
     "PagedEvictionReference",
@@ -49,6 +51,10 @@ def __getattr__(name: str):
         from .gvote import GVoteReference
 
         return GVoteReference
+    if name == "FdcReference":
+        from .fdc import FdcReference
+
+        return FdcReference
     if name == "PagedEvictionReference":
         from .paged_eviction import PagedEvictionReference
 

@@ -41,6 +41,7 @@ from torch import nn
 
 __all__ = [
     "ContiguousKVCache",
+    "HeadTransform",
     "StepOutput",
     "ReferenceOutput",
     "BudgetedReference",
@@ -176,6 +177,19 @@ class StepOutput:
     attentions: list[torch.Tensor] | None = None
 
 
+class HeadTransform:
+    """What :func:`forward_step` lets a method change around attention, per layer: the
+    post-RoPE queries ``[Hq, q, d]``, keys and values ``[Hkv, q, d]`` before they are used and
+    cached (:meth:`project`), and the attention output ``[Hq, q, d]`` before ``o_proj``
+    (:meth:`restore`)."""
+
+    def project(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        return q, k, v
+
+    def restore(self, layer: int, o: torch.Tensor) -> torch.Tensor:
+        return o
+
+
 def _decoder(model: nn.Module) -> nn.Module:
     return model.model if hasattr(model, "model") else model
 
@@ -246,6 +260,7 @@ def forward_step(
     output_attentions: bool = False,
     key_keep: Sequence[torch.Tensor] | None = None,
     capture: dict | None = None,
+    head_transform: "HeadTransform | None" = None,
 ) -> StepOutput:
     """Run ``q`` new tokens through the decoder against ``cache`` and append their K/V to it.
 
@@ -263,8 +278,12 @@ def forward_step(
     its KV head in that layer (head-wise pruning without moving the cache).  Keep the new tokens
     visible, or a row may see no key at all.
     ``capture`` (optional dict): filled with ``"q_input"``, per layer the input of ``q_proj``
-    (``input_layernorm(h)``, ``[q, hidden]``), and ``"query"``, per layer the post-RoPE query
-    ``[Hq, q, head_dim]``.
+    (``input_layernorm(h)``, ``[q, hidden]``), ``"query"``, per layer the post-RoPE query
+    ``[Hq, q, head_dim]``, and with a ``rope="post"`` cache ``"key"`` and ``"value"``, per layer
+    the new tokens' post-RoPE keys and values ``[Hkv, q, head_dim]``.
+    ``head_transform`` (optional, ``rope="post"`` caches only): changes each layer's post-RoPE
+    queries, keys and values before the keys and values are cached, and the attention output
+    before ``o_proj`` (FDC's rotations, :mod:`vllm_kvprune.reference.fdc`).
     """
     dec = _decoder(model)
     device = dec.embed_tokens.weight.device
@@ -281,7 +300,9 @@ def forward_step(
     if key_keep is not None and len(key_keep) != len(dec.layers):
         raise ValueError("key_keep needs one mask per layer")
     if capture is not None:
-        capture["q_input"], capture["query"] = [], []
+        capture["q_input"], capture["query"], capture["key"], capture["value"] = [], [], [], []
+    if head_transform is not None and cache.rope != "post":
+        raise ValueError("head_transform needs a post-RoPE cache (keys rotated once, when written)")
     if cache.rope == "pre":
         if key_rope_positions is None:
             kpos = torch.arange(n_past + nq, device=device)
@@ -309,6 +330,11 @@ def forward_step(
             capture["query"].append(q)
         if cache.rope == "post":
             k = rotate(k, cos_q, sin_q)
+            if capture is not None:
+                capture["key"].append(k)
+                capture["value"].append(v)
+            if head_transform is not None:
+                q, k, v = head_transform.project(layer_idx, q, k, v)
             cache.append(layer_idx, k, v, pos)
             keys = cache.k[layer_idx]
         else:
@@ -325,6 +351,8 @@ def forward_step(
         o, probs = _attention(q, keys, values, n_past, scale, output_attentions, keep)
         if attentions is not None:
             attentions.append(probs)
+        if head_transform is not None:
+            o = head_transform.restore(layer_idx, o)
         o = o.to(h.dtype).transpose(0, 1).reshape(nq, -1)
         h = h + attn.o_proj(o)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
@@ -401,7 +429,11 @@ class BudgetedReference:
         positions: str = "original",
         prefill: str = "full",
         prefill_chunk: int = 256,
+        head_transform: HeadTransform | None = None,
     ) -> None:
+        if head_transform is not None and positions != "original":
+            raise ValueError("a head transform (FDC) needs positions='original': keys are "
+                             "projected after RoPE, so they cannot be re-rotated later")
         if budget is not None and (not isinstance(budget, int) or budget < 1):
             raise ValueError(f"budget must be a positive int or None, got {budget!r}")
         if not isinstance(prune_interval, int) or prune_interval < 1:
@@ -418,6 +450,7 @@ class BudgetedReference:
         self.positions = positions
         self.prefill = prefill
         self.prefill_chunk = prefill_chunk
+        self.head_transform = head_transform
         self.num_layers = len(_decoder(model).layers)
         self.reset()
 
@@ -466,7 +499,8 @@ class BudgetedReference:
                 output_attentions=self.needs_attentions,
             )
         else:
-            out = forward_step(self.model, token_ids, self.cache, pos, output_attentions=self.needs_attentions)
+            out = forward_step(self.model, token_ids, self.cache, pos, output_attentions=self.needs_attentions,
+                               head_transform=self.head_transform)
         self.next_position += q
         self.tokens_seen += q
         self.last_kept = n + q

@@ -1,0 +1,274 @@
+"""FDC's offline stage and its plain-PyTorch reference.
+
+- the ranks of Eq. 1 against spectra worked by hand;
+- the rotations against an explicit SVD of the stacked post-RoPE keys and queries (the Gram
+  route must give the same spectrum, an orthogonal R, and drop exactly the tail's energy);
+- the reference's zero-masked full-width attention against attention computed in each head's
+  truly reduced width, by hand;
+- full ranks: FDC equals `none` (fp32 rounding); reduced ranks change the logits, more as the
+  rate grows;
+- the file: a round trip, and refusals of a foreign model, another format, a cut file;
+- `vllm-kvprune calibrate fdc`: writes a file and a report; bad flags exit 2 naming the flag.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from vllm_kvprune.fdc import calibration as fdc  # noqa: E402
+from vllm_kvprune.reference.fdc import FdcReference, FdcTransform  # noqa: E402
+from vllm_kvprune.reference.model import (  # noqa: E402
+    BudgetedReference,
+    ContiguousKVCache,
+    compute_logits,
+    forward_step,
+)
+
+VOCAB = 256
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=96, intermediate_size=192, num_hidden_layers=2,
+                         num_attention_heads=6, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                         initializer_range=0.2, attn_implementation="eager")
+    model = LlamaForCausalLM(config).float().eval()
+    model.requires_grad_(False)
+    return model
+
+
+@pytest.fixture(scope="module")
+def sequences() -> list[list[int]]:
+    return fdc.random_sequences(VOCAB, 192, 96, seed=1)
+
+
+@pytest.fixture(scope="module")
+def calibrated(model, sequences) -> fdc.FdcCalibration:
+    return fdc.fit(model, sequences, rate=0.1)
+
+
+def test_ranks_follow_eq1_on_hand_worked_spectra() -> None:
+    spectrum = torch.tensor([[4.0, 3.0, 2.0, 1.0]])  # tail shares from dim k: 1, .6, .3, .1, 0
+    assert fdc.ranks_for_rate(spectrum, 0.0).tolist() == [4]
+    assert fdc.ranks_for_rate(spectrum, 0.05).tolist() == [4]
+    assert fdc.ranks_for_rate(spectrum, 0.1).tolist() == [3]
+    assert fdc.ranks_for_rate(spectrum, 0.35).tolist() == [2]
+    assert fdc.ranks_for_rate(spectrum, 0.99).tolist() == [1]  # at least one dimension
+    flat, steep = torch.ones(1, 8), torch.tensor([[8.0, 1, 1, 1, 1, 1, 1, 1]])
+    assert fdc.ranks_for_rate(flat, 0.25).tolist() == [6]
+    assert fdc.ranks_for_rate(steep, 0.25).tolist() == [5]  # a steeper head keeps fewer
+    with pytest.raises(ValueError):
+        fdc.ranks_for_rate(spectrum, 1.0)
+
+
+def _stacked_rows(model, sequences) -> list[torch.Tensor]:
+    """Per layer, [KV heads, rows, d]: each KV head's post-RoPE keys then its group's queries."""
+    per_layer: list[list[torch.Tensor]] = []
+    for ids in sequences:
+        capture: dict = {}
+        forward_step(model, ids, ContiguousKVCache(2, rope="post"), torch.arange(len(ids)), capture=capture)
+        for layer, (query, key) in enumerate(zip(capture["query"], capture["key"])):
+            heads = [torch.cat([key[h], *query[h * 3:(h + 1) * 3]]) for h in range(key.shape[0])]
+            if len(per_layer) <= layer:
+                per_layer.append([])
+            per_layer[layer].append(torch.stack(heads))
+    return [torch.cat(chunks, dim=1).double() for chunks in per_layer]
+
+
+def test_rotations_match_an_explicit_svd_of_the_stacked_queries_and_keys(model, sequences, calibrated) -> None:
+    for layer, rows in enumerate(_stacked_rows(model, sequences)):
+        for head in range(rows.shape[0]):
+            x = rows[head]
+            expected = torch.linalg.svdvals(x)
+            singular = calibrated.qk_singular[layer, head].double()
+            torch.testing.assert_close(singular, expected.float().double(), rtol=1e-4, atol=1e-4)
+            rotation = calibrated.qk_rotation[layer, head].double()
+            torch.testing.assert_close(rotation.T @ rotation, torch.eye(16, dtype=torch.float64), atol=1e-5, rtol=0)
+            # Dropping the columns after k drops exactly the tail's energy.
+            k = int(calibrated.qk_rank[layer, head])
+            dropped = (x @ rotation[:, k:]).pow(2).sum()
+            torch.testing.assert_close(dropped, expected[k:].pow(2).sum(), rtol=1e-3, atol=1e-6)
+    assert (calibrated.qk_singular[..., :-1] >= calibrated.qk_singular[..., 1:] - 1e-6).all()
+
+
+def test_value_rotations_from_the_values_match_an_explicit_svd(model, sequences, calibrated) -> None:
+    values: list[list[torch.Tensor]] = [[], []]
+    for ids in sequences:
+        capture: dict = {}
+        forward_step(model, ids, ContiguousKVCache(2, rope="post"), torch.arange(len(ids)), capture=capture)
+        for layer, value in enumerate(capture["value"]):
+            values[layer].append(value)
+    assert calibrated.settings["v_source"] == "values"
+    for layer in range(2):
+        stacked = torch.cat(values[layer], dim=1).double()  # [KV heads, tokens, d]
+        for head in range(2):
+            expected = torch.linalg.svdvals(stacked[head])
+            torch.testing.assert_close(calibrated.v_singular[layer, head].double(), expected, rtol=1e-4, atol=1e-4)
+            rotation = calibrated.v_rotation[layer, head].double()
+            torch.testing.assert_close((stacked[head] @ rotation).norm(dim=0), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_value_rotations_from_the_weights_are_the_svd_of_each_value_projection(model, sequences) -> None:
+    calibrated = fdc.fit(model, sequences, rate=0.1, v_source="weights")
+    assert calibrated.settings["v_source"] == "weights"
+    for layer, block in enumerate(model.model.layers):
+        weight = block.self_attn.v_proj.weight.double().view(2, 16, -1)  # [KV heads, d, hidden]
+        for head in range(2):
+            expected = torch.linalg.svdvals(weight[head])
+            torch.testing.assert_close(calibrated.v_singular[layer, head].double(), expected, rtol=1e-5, atol=1e-6)
+            rotation = calibrated.v_rotation[layer, head].double()
+            # Rows of W_v Rᵀ-ordered: ‖W_vᵀ R[:, i]‖ is the i-th singular value.
+            torch.testing.assert_close((weight[head].T @ rotation).norm(dim=0), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_masked_full_width_attention_equals_attention_in_the_reduced_width(model, calibrated) -> None:
+    """One layer's attention done the reference's way (rotated, dropped dims zeroed, full width)
+    against the same attention computed with each head's K/Q/V really cut to its ranks."""
+    torch.manual_seed(3)
+    transform = FdcTransform(calibrated)
+    layer, n = 1, 12
+    q, k, v = torch.randn(6, n, 16), torch.randn(2, n, 16), torch.randn(2, n, 16)
+    qm, km, vm = transform.project(layer, q, k, v)
+    scale = 16 ** -0.5
+    causal = torch.ones(n, n).tril().bool()
+    masked_out = torch.empty(6, n, 16)
+    for head in range(6):
+        scores = (qm[head] @ km[head // 3].T * scale).masked_fill(~causal, float("-inf"))
+        masked_out[head] = torch.softmax(scores, -1) @ vm[head // 3]
+    masked_out = transform.restore(layer, masked_out)
+    for head in range(6):
+        kv = head // 3
+        rank, v_rank = int(calibrated.qk_rank[layer, kv]), int(calibrated.v_rank[layer, kv])
+        rotation, v_rotation = calibrated.qk_rotation[layer, kv], calibrated.v_rotation[layer, kv]
+        q_small, k_small = q[head] @ rotation[:, :rank], k[kv] @ rotation[:, :rank]
+        v_small = v[kv] @ v_rotation[:, :v_rank]
+        scores = (q_small @ k_small.T * scale).masked_fill(~causal, float("-inf"))
+        expected = torch.softmax(scores, -1) @ v_small @ v_rotation[:, :v_rank].T
+        torch.testing.assert_close(masked_out[head], expected, rtol=1e-5, atol=1e-5)
+    assert (calibrated.qk_rank < 16).any() and (calibrated.v_rank < 16).any()  # something was cut
+
+
+def _prompt_logits(reference: BudgetedReference, prompt: list[int]) -> torch.Tensor:
+    reference.reset()
+    return compute_logits(reference.model, reference.step(prompt).hidden)
+
+
+def test_full_ranks_equal_none_and_reduced_ranks_do_not(model, calibrated) -> None:
+    prompt = fdc.random_sequences(VOCAB, 40, 40, seed=7)[0]
+    none = BudgetedReference(model, budget=None)
+    full = calibrated.with_uniform_ranks(16, 16)
+    torch.testing.assert_close(_prompt_logits(FdcReference(model, full), prompt), _prompt_logits(none, prompt),
+                               rtol=1e-4, atol=1e-4)
+    expected = none.generate(prompt, 8, prompt_logprobs=False)
+    assert FdcReference(model, full).generate(prompt, 8, prompt_logprobs=False).token_ids == expected.token_ids
+    baseline = _prompt_logits(none, prompt)
+    errors = [float((_prompt_logits(FdcReference(model, calibrated.with_rate(rate)), prompt) - baseline).abs().mean())
+              for rate in (0.02, 0.1, 0.3)]
+    assert errors[1] > 1e-3, errors  # rate 0.1 cuts dimensions (asserted in another test) and shows
+    assert errors[0] <= errors[1] < errors[2], errors  # the more is cut, the further from `none`
+
+
+def test_fdc_composes_with_eviction_only_at_original_positions(model, calibrated) -> None:
+    transform = FdcTransform(calibrated)
+    with pytest.raises(ValueError, match="positions='original'"):
+        BudgetedReference(model, budget=16, positions="cache", head_transform=transform)
+
+
+# ---- the file -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_file(tmp_path_factory) -> tuple:
+    from vllm_kvprune import assets
+
+    model_dir = assets.tiny_model_dir()
+    path = tmp_path_factory.mktemp("fdc") / "tiny.safetensors"
+    calibration = fdc.calibrate(model_dir, tokens=128, seq_len=64, seed=0, rate=0.1)
+    calibration.save(path)
+    return model_dir, path, calibration
+
+
+def test_file_round_trip_and_model_check(tiny_file, tmp_path) -> None:
+    model_dir, path, calibration = tiny_file
+    loaded = fdc.load(path, model_dir)
+    for name in ("qk_rotation", "qk_singular", "v_rotation", "v_singular", "qk_rank", "v_rank"):
+        assert torch.equal(getattr(loaded, name), getattr(calibration, name)), name
+    assert loaded.settings["tokens"] == 128 and loaded.settings["rate"] == 0.1
+    assert loaded.settings["fingerprint"] == fdc.model_fingerprint(model_dir)
+
+
+def test_file_refuses_another_model_another_format_and_a_cut_file(tiny_file, tmp_path) -> None:
+    from safetensors.torch import save_file
+
+    from vllm_kvprune import assets
+
+    model_dir, path, calibration = tiny_file
+    with pytest.raises(fdc.FdcFileError, match="made for a model of"):
+        fdc.load(path, assets.real_model_dir())
+    other = tmp_path / "other.safetensors"
+    save_file({"x": torch.zeros(2)}, str(other), metadata={"format": "something-else"})
+    with pytest.raises(fdc.FdcFileError, match="not an FDC calibration"):
+        fdc.load(other)
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(path.read_bytes()[:1000])
+    with pytest.raises(fdc.FdcFileError, match="not a safetensors file"):
+        fdc.load(cut)
+    with pytest.raises(fdc.FdcFileError, match="no such file"):
+        fdc.load(tmp_path / "missing.safetensors")
+
+
+# ---- the command --------------------------------------------------------------------------------
+def _calibrate(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "vllm_kvprune.cli", "calibrate", *args],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+
+def test_calibrate_command_writes_a_file_and_a_report(tiny_file, tmp_path) -> None:
+    model_dir, first, _ = tiny_file
+    out, report = tmp_path / "c.safetensors", tmp_path / "report.json"
+    done = _calibrate("fdc", str(model_dir), "--out", str(out), "--tokens", "128", "--seq-len", "64",
+                      "--seed", "1", "--rate", "0.2", "--report", str(report), "--compare", str(first))
+    assert done.returncode == 0, done.stderr[-2000:]
+    loaded = fdc.load(out, model_dir)
+    assert loaded.settings["seed"] == 1 and loaded.settings["rate"] == 0.2
+    written = json.loads(report.read_text())
+    assert len(written["qk_mean_spectrum"]) == 32 and written["qk_mean_spectrum"][0] == pytest.approx(1.0)
+    assert 0 < written["compression"] < 1
+    assert 0 < written["compared_with"]["qk_subspace_overlap"] <= 1 + 1e-6
+    assert "KV cache at" in done.stdout
+
+
+@pytest.mark.parametrize("args, named", [
+    (["fdc", "MODEL_DIR"], "--out"),
+    (["fdc", "MODEL_DIR", "--out", "OUT", "--rate", "1.5"], "--rate"),
+    (["fdc", "MODEL_DIR", "--out", "OUT", "--tokens", "0"], "--tokens"),
+    (["fdc", "/nonexistent", "--out", "OUT"], "MODEL"),
+    (["fdc", "MODEL_DIR", "--out", "/nonexistent/dir/x.safetensors"], "--out"),
+    (["fdc", "MODEL_DIR", "--out", "OUT", "--compare", "/nonexistent.safetensors"], "--compare"),
+    (["quantize"], "unknown method"),
+    ([], "name the method"),
+])
+def test_calibrate_command_refuses_bad_input_with_exit_2(tiny_file, tmp_path, args, named) -> None:
+    model_dir = tiny_file[0]
+    args = [str(model_dir) if arg == "MODEL_DIR" else str(tmp_path / "o.safetensors") if arg == "OUT" else arg
+            for arg in args]
+    done = _calibrate(*args)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert named in done.stderr, done.stderr

@@ -1,0 +1,152 @@
+"""`vllm-kvprune calibrate fdc MODEL --out FILE`: FDC's offline stage, with a report.
+
+Runs random tokens (seeded) through the Hugging Face model in ``MODEL`` (a local folder), fits
+one rotation per layer and KV head to the post-RoPE keys and queries, decomposes the value
+projections, picks each head's ranks at the removal rate ``--rate`` and writes a safetensors
+file for ``--kv-fdc``. The report gives the compression, the spread of the heads' largest
+singular values (FDC Tables 3/4) and the ranks per layer; ``--report`` also writes it as JSON
+with the mean spectra (FDC Fig. 3). ``--compare FILE`` measures how far this calibration's
+rotations are from another's (FDC Table 2: random tokens vs essays, or two token counts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from vllm_kvprune.fdc import calibration as fdc
+
+
+def _rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1) (the share of each head's spectrum dropped), got {text}")
+    return value
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vllm-kvprune calibrate fdc", description=__doc__.split("\n\n")[0])
+    add = parser.add_argument
+    add("model", metavar="MODEL", help="a local Hugging Face model folder (config.json, *.safetensors)")
+    add("--out", required=True, type=Path, help="the calibration file to write (safetensors)")
+    add("--tokens", type=_positive, default=fdc.DEFAULT_TOKENS,
+        help=f"calibration tokens (default {fdc.DEFAULT_TOKENS}; FDC needs at least 8K)")
+    add("--seq-len", type=_positive, default=fdc.DEFAULT_SEQ_LEN,
+        help=f"tokens per sequence fed to the model (default {fdc.DEFAULT_SEQ_LEN})")
+    add("--seed", type=int, default=0, help="seed of the random tokens (default 0)")
+    add("--rate", type=_rate, default=fdc.DEFAULT_RATE,
+        help=f"singular-value removal rate r, one for every head (FDC Eq. 1; default {fdc.DEFAULT_RATE})")
+    add("--source", choices=("random", "essays"), default="random",
+        help="calibration tokens: uniform random ids (FDC's choice, default) or essay text")
+    add("--v-source", choices=fdc.V_SOURCES, default="values",
+        help="V's rotation: an SVD of the calibration tokens' values (default), or of the value "
+             "projection's weights (Palu's, the paper's; on SmolLM2 dropping one dimension so "
+             "breaks the model, docs/FDC.md)")
+    add("--report", type=Path, default=None, help="also write the report as JSON here")
+    add("--compare", type=Path, default=None,
+        help="another calibration of the same model: report how far the rotations are apart")
+    add("--eval-tokens", type=int, default=0,
+        help="also measure perplexity of this many essay tokens (one sequence, fp32 reference) "
+             "through the compressed cache vs the full one (default 0: skip)")
+    add("--eval-offset", type=int, default=0,
+        help="essay token where the perplexity text starts (default 0; past --tokens for text "
+             "that --source essays did not calibrate on)")
+    add("--eval-rates", type=_rate, nargs="+", default=None,
+        help="removal rates of the perplexity sweep (default: --rate only); each also with uniform ranks")
+    return parser
+
+
+def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    model = Path(args.model)
+    if not (model / "config.json").is_file():
+        parser.error(f"argument MODEL: {args.model} is not a model folder (no config.json)")
+    if args.eval_tokens < 0:
+        parser.error(f"argument --eval-tokens: must be 0 or more, got {args.eval_tokens}")
+    if args.eval_offset < 0:
+        parser.error(f"argument --eval-offset: must be 0 or more, got {args.eval_offset}")
+    if not args.out.parent.is_dir():
+        parser.error(f"argument --out: folder {args.out.parent} does not exist")
+    if args.compare is not None:
+        try:
+            fdc.load(args.compare, model)
+        except fdc.FdcFileError as error:
+            parser.error(f"argument --compare: {error}")
+
+
+def _essay_sequences(model: Path, tokens: int, seq_len: int) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    from vllm_kvprune.bench.accuracy.task import essay_token_ids
+
+    ids = essay_token_ids(AutoTokenizer.from_pretrained(str(model)))[:tokens]
+    return [ids[start:start + seq_len] for start in range(0, len(ids), seq_len)]
+
+
+def _evaluate(model_dir: Path, calibration: fdc.FdcCalibration, tokens: int, offset: int,
+              rates: list[float]) -> dict:
+    from vllm_kvprune.fdc.evaluate import sweep
+    from vllm_kvprune.reference.model import load_reference_model
+
+    token_ids = _essay_sequences(model_dir, offset + tokens, offset + tokens)[0][offset:]
+    model = load_reference_model(str(model_dir))
+    none, points = sweep(model, calibration, token_ids, rates)
+    print(f"perplexity of {len(token_ids)} essay tokens: none {none:.3f}")
+    print("  rate  KV kept  perplexity (vs none) | uniform ranks: KV kept  perplexity (vs none)")
+    for point in points:
+        print(f"  {point.rate:4.2f}  {point.kv_fraction:7.1%}  {point.perplexity:10.3f} ({point.perplexity / none:5.3f}x) |"
+              f"                {point.uniform_kv_fraction:7.1%}  {point.uniform_perplexity:10.3f} "
+              f"({point.uniform_perplexity / none:5.3f}x)")
+    return {"tokens": len(token_ids), "offset": offset, "none": none, "points": [dataclasses.asdict(point) for point in points]}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check(args, parser)
+    from tqdm import tqdm
+
+    model = Path(args.model)
+    sequences = _essay_sequences(model, args.tokens, args.seq_len) if args.source == "essays" else None
+    with tqdm(total=args.tokens, desc="calibrating", unit="tok", dynamic_ncols=True) as bar:
+        result = fdc.calibrate(model, tokens=args.tokens, seq_len=args.seq_len, seed=args.seed, rate=args.rate,
+                               sequences=sequences, source=args.source, progress=bar.update,
+                               v_source=args.v_source)
+    result.save(args.out)
+    print(fdc.describe(result))
+    report = {"settings": result.settings, **fdc.spectrum_summary(result)}
+    if args.compare is not None:
+        other = fdc.load(args.compare, model)
+        report["compared_with"] = {
+            "file": str(args.compare),
+            "settings": other.settings,
+            "qk_rotation_difference": fdc.rotation_difference(other.qk_rotation, result.qk_rotation),
+            "qk_subspace_overlap": fdc.subspace_overlap(other.qk_rotation, result.qk_rotation, result.qk_rank),
+        }
+        compared = report["compared_with"]
+        print(f"vs {args.compare}: rotation difference (FDC Table 2) {compared['qk_rotation_difference']:.1%}, "
+              f"kept Q/K subspace shared {compared['qk_subspace_overlap']:.1%}")
+    if args.eval_tokens > 0:
+        report["perplexity"] = _evaluate(model, result, args.eval_tokens, args.eval_offset,
+                                         args.eval_rates or [args.rate])
+    if args.report is not None:
+        args.report.write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.report}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
