@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include "attention_mass.h"
+#include "reduced_attention.h"
 #include "slot_ops.h"
 
 TORCH_LIBRARY(kvprune, m) {
@@ -24,6 +25,11 @@ TORCH_LIBRARY(kvprune, m) {
   m.def(
       "lowest_mass_slots(Tensor mass, Tensor slots, Tensor logical, int count, int next_position, "
       "int sinks, int recent) -> Tensor");
+  m.def(
+      "reduced_attention(Tensor query, Tensor kv_cache, Tensor block_table, Tensor query_start_loc, "
+      "Tensor seq_lens, Tensor k_ranks, Tensor v_ranks, Tensor k_offsets, Tensor v_offsets, int block_size, "
+      "float scale, "
+      "Tensor(a!) output, bool balanced=True) -> ()");
   m.def("build_isa() -> str", &kvprune::build_isa);
 }
 
@@ -33,6 +39,7 @@ TORCH_LIBRARY_IMPL(kvprune, CPU, m) {
   m.impl("read_slots", &kvprune::read_slots);
   m.impl("attention_mass", &kvprune::attention_mass);
   m.impl("lowest_mass_slots", &kvprune::lowest_mass_slots);
+  m.impl("reduced_attention", &kvprune::reduced_attention);
 }
 
 static struct PyModuleDef kvprune_module = {PyModuleDef_HEAD_INIT, "_C",

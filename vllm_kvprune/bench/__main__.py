@@ -13,6 +13,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "throughput",
     "worker_memory",
     "gvote",
+    "fdc_attention",
     "accuracy",
     "results_page",
 )

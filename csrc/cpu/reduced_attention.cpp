@@ -1,0 +1,284 @@
+// FDC's attention in the reduced space: each KV head of a layer holds its own number of
+// dimensions for K (its Q/K rank) and for V (its V rank), so a head of rank 20 costs 20 dims,
+// not the model's head size.
+//
+// Cache: [num_blocks, block_size * W] (W >= the sum of all heads' K and V ranks). Inside a
+// block, head h's keys are stored dims-major, key dim d of the block's token jj at
+// block_size * (k_offsets[h] + d) + jj, so one dim of a whole block is contiguous and the
+// logits of a block are block_size-wide FMAs with no horizontal sums; its values are stored
+// token-major, dim d of token jj at block_size * v_offsets[h] + jj * v_ranks[h] + d, so a
+// token's value is one contiguous vector for the weighted sum.
+// Queries arrive already projected, [T, Hq, QW] (query head q uses the first k_ranks[q / G]
+// dims); outputs leave reduced, [T, Hq, VW] fp32 (the first v_ranks[q / G] dims are set, the
+// rest zeroed), for the caller to turn back.
+//
+// One task is one (sequence, KV head): its G query heads over all of the sequence's query
+// tokens (causal: query i of n_q sees the first seq_len - n_q + i + 1 keys). Heads of unequal
+// rank make tasks of unequal cost, so the tasks are dealt to threads longest first, each to
+// the thread with the least work so far (FDC §5.3's decode schedule, longest-processing-time
+// first); `balanced = false` deals them in order, in equal-count chunks, for comparison.
+#include <ATen/Parallel.h>
+#include <torch/all.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#include "reduced_attention.h"
+
+namespace kvprune {
+namespace {
+
+struct Task {
+  int64_t sequence;
+  int64_t head;
+  double cost;
+};
+
+template <typename T>
+inline float to_float(T value) {
+  return static_cast<float>(value);
+}
+
+// bf16 is the top half of an fp32: a shift the compiler vectorises (c10's conversion
+// function does not get vectorised inside these loops).
+inline float bits_to_float(uint16_t bits) {
+  uint32_t widened = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &widened, sizeof(value));
+  return value;
+}
+
+// A row's `dims` values as fp32 in `out` (vectorised).
+template <typename T>
+inline void load_row(const T* row, float* out, int64_t dims) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const uint16_t* raw = reinterpret_cast<const uint16_t*>(row);
+#pragma omp simd
+    for (int64_t d = 0; d < dims; ++d) out[d] = bits_to_float(raw[d]);
+  } else {
+    for (int64_t d = 0; d < dims; ++d) out[d] = to_float(row[d]);
+  }
+}
+
+// exp(x) for x <= 0 (softmax after the max is taken out), in a form the compiler
+// vectorises: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial
+// (relative error below 2e-7 there), 2^n written into the exponent bits.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);  // below this e^x is under float's normal range: treat as ~0
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = x - n * 0.693147180559945309f;
+  float p = 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t exponent = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &exponent, sizeof(scale));
+  return p * scale;
+}
+
+// In place: scores -> softmax(scores).
+inline void softmax(float* scores, int64_t count) {
+  float peak = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : peak)
+  for (int64_t j = 0; j < count; ++j) peak = std::max(peak, scores[j]);
+  float total = 0.f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t j = 0; j < count; ++j) {
+    scores[j] = exp_nonpositive(scores[j] - peak);
+    total += scores[j];
+  }
+  const float inverse = 1.f / total;
+#pragma omp simd
+  for (int64_t j = 0; j < count; ++j) scores[j] *= inverse;
+}
+
+// Register blocking: 32 lanes (two AVX-512 vectors of fp32, a whole cache line of bf16
+// keys) times up to 4 query heads of a
+// group, accumulated over a whole reduction before anything is stored.
+constexpr int64_t kLanes = 32;
+constexpr int64_t kHeadsPerPass = 4;
+
+// The first `count` (<= kLanes) lanes are the values at `src`. Lanes past `count` hold
+// whatever follows in the cache (the next token or head): every lane is independent and only
+// the first `count` are ever stored, so a whole vector is loaded unless it would run past the
+// cache's `end`.
+template <typename T>
+inline void load_lanes(const T* src, int64_t count, const T* end, float* lanes) {
+  if (src + kLanes <= end) {
+    load_row(src, lanes, kLanes);
+    return;
+  }
+  for (int64_t l = 0; l < kLanes; ++l) lanes[l] = l < count ? to_float(src[l]) : 0.f;
+}
+
+// logits[g][start + l] = q_g . key_l for `count` keys whose dim d sits at keys[d * stride + l].
+template <typename T>
+inline void block_logits(const float* queries, int64_t num_heads, int64_t k_rank, const T* keys, int64_t stride,
+                         int64_t count, const T* end, float* logits, int64_t logits_stride) {
+  for (int64_t g0 = 0; g0 < num_heads; g0 += kHeadsPerPass) {
+    const int64_t heads = std::min(kHeadsPerPass, num_heads - g0);
+    float acc[kHeadsPerPass][kLanes] = {};
+    float lanes[kLanes];
+    for (int64_t d = 0; d < k_rank; ++d) {
+      load_lanes(keys + d * stride, count, end, lanes);
+      for (int64_t g = 0; g < kHeadsPerPass; ++g) {
+        const float q = g < heads ? queries[(g0 + g) * k_rank + d] : 0.f;
+#pragma omp simd
+        for (int64_t l = 0; l < kLanes; ++l) acc[g][l] += q * lanes[l];
+      }
+    }
+    for (int64_t g = 0; g < heads; ++g) std::memcpy(logits + (g0 + g) * logits_stride, acc[g], count * sizeof(float));
+  }
+}
+
+// Each thread's task list: longest first to the least loaded (balanced), or in order.
+std::vector<std::vector<Task>> deal(std::vector<Task> tasks, int64_t threads, bool balanced) {
+  std::vector<std::vector<Task>> lists(threads);
+  if (!balanced) {
+    const int64_t per_thread = (static_cast<int64_t>(tasks.size()) + threads - 1) / threads;
+    for (size_t i = 0; i < tasks.size(); ++i) lists[i / per_thread].push_back(tasks[i]);
+    return lists;
+  }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  std::vector<double> load(threads, 0.0);
+  for (const Task& task : tasks) {
+    const int64_t least = std::min_element(load.begin(), load.end()) - load.begin();
+    lists[least].push_back(task);
+    load[least] += task.cost;
+  }
+  // The deal fixes each thread's load; its order is free. Sequence by sequence, a thread reads
+  // the KV heads of one block one after another: the same pages, in a row, for the prefetcher.
+  for (auto& list : lists) {
+    std::sort(list.begin(), list.end(), [](const Task& a, const Task& b) {
+      return a.sequence != b.sequence ? a.sequence < b.sequence : a.head < b.head;
+    });
+  }
+  return lists;
+}
+
+template <typename T>
+void run_task(const Task& task, const T* cache, int64_t block_size, int64_t block_stride, const int32_t* block_table,
+              int64_t table_width, const int32_t* query_start_loc, const int32_t* seq_lens, const int32_t* k_ranks,
+              const int32_t* v_ranks, const int64_t* k_offsets, const int64_t* v_offsets, const T* query,
+              const T* cache_end, int64_t num_q_heads, int64_t query_width, float* output, int64_t output_width,
+              int64_t group, float scale,
+              std::vector<float>& logits, std::vector<float>& query_row) {
+  const int64_t s = task.sequence, h = task.head;
+  const int64_t first = query_start_loc[s], num_queries = query_start_loc[s + 1] - first;
+  const int64_t seq_len = seq_lens[s], k_rank = k_ranks[h], v_rank = v_ranks[h];
+  const int64_t key_base = block_size * k_offsets[h], value_base = block_size * v_offsets[h];
+  const int32_t* blocks = block_table + s * table_width;
+  for (int64_t i = 0; i < num_queries; ++i) {
+    const int64_t t = first + i, num_keys = seq_len - num_queries + i + 1;
+    logits.assign(group * num_keys, 0.f);
+    query_row.resize(group * k_rank);
+    for (int64_t g = 0; g < group; ++g) {
+      const T* q = query + (t * num_q_heads + h * group + g) * query_width;
+      for (int64_t d = 0; d < k_rank; ++d) query_row[g * k_rank + d] = to_float(q[d]) * scale;
+    }
+    // Logits, 16 keys of a block at a time: a dim of those keys, times each query head's dim.
+    for (int64_t start = 0; start < num_keys; start += kLanes) {
+      const T* keys = cache + static_cast<int64_t>(blocks[start / block_size]) * block_stride + key_base +
+                      start % block_size;
+      block_logits(query_row.data(), group, k_rank, keys, block_size, std::min(kLanes, num_keys - start), cache_end,
+                   &logits[start], num_keys);
+    }
+    for (int64_t g = 0; g < group; ++g) softmax(&logits[g * num_keys], num_keys);
+    for (int64_t g = 0; g < group; ++g) {
+      float* out = output + (t * num_q_heads + h * group + g) * output_width;
+      std::fill(out, out + output_width, 0.f);
+    }
+    // The weighted sum, 16 value dims at a time over every key, for up to 4 query heads.
+    for (int64_t d0 = 0; d0 < v_rank; d0 += kLanes) {
+      const int64_t dims = std::min(kLanes, v_rank - d0);
+      for (int64_t g0 = 0; g0 < group; g0 += kHeadsPerPass) {
+        const int64_t heads = std::min(kHeadsPerPass, group - g0);
+        float acc[kHeadsPerPass][kLanes] = {};
+        float lanes[kLanes];
+        for (int64_t j = 0; j < num_keys; ++j) {
+          const T* value = cache + static_cast<int64_t>(blocks[j / block_size]) * block_stride + value_base +
+                           (j % block_size) * v_rank + d0;
+          load_lanes(value, dims, cache_end, lanes);
+          for (int64_t g = 0; g < kHeadsPerPass; ++g) {
+            const float weight = g < heads ? logits[(g0 + g) * num_keys + j] : 0.f;
+#pragma omp simd
+            for (int64_t l = 0; l < kLanes; ++l) acc[g][l] += weight * lanes[l];
+          }
+        }
+        for (int64_t g = 0; g < heads; ++g) {
+          std::memcpy(output + (t * num_q_heads + h * group + g0 + g) * output_width + d0, acc[g],
+                      dims * sizeof(float));
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void reduced_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, const torch::Tensor& block_table,
+                       const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens,
+                       const torch::Tensor& k_ranks, const torch::Tensor& v_ranks, const torch::Tensor& k_offsets,
+                       const torch::Tensor& v_offsets, int64_t block_size, double scale, torch::Tensor& output,
+                       bool balanced) {
+  TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 2 && output.dim() == 3, "reduced_attention: query [T, Hq, QW], "
+              "kv_cache [blocks, block_size * W], output [T, Hq, VW]");
+  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type(), "reduced_attention: query and cache dtypes differ");
+  TORCH_CHECK(output.scalar_type() == at::kFloat, "reduced_attention: output must be float32");
+  TORCH_CHECK(query.is_contiguous() && kv_cache.is_contiguous() && output.is_contiguous(),
+              "reduced_attention: query, cache and output must be contiguous");
+  TORCH_CHECK(block_size % kLanes == 0, "reduced_attention: block_size must be a multiple of ", kLanes);
+  const int64_t num_sequences = seq_lens.size(0), num_heads = k_ranks.size(0);
+  const int64_t num_q_heads = query.size(1);
+  TORCH_CHECK(num_q_heads % num_heads == 0, "reduced_attention: query heads must be a multiple of KV heads");
+  const int64_t group = num_q_heads / num_heads;
+  auto table = block_table.to(at::kInt).contiguous();
+  auto starts = query_start_loc.to(at::kInt).contiguous();
+  auto lengths = seq_lens.to(at::kInt).contiguous();
+  auto kr = k_ranks.to(at::kInt).contiguous(), vr = v_ranks.to(at::kInt).contiguous();
+  auto ko = k_offsets.to(at::kLong).contiguous(), vo = v_offsets.to(at::kLong).contiguous();
+  TORCH_CHECK(kr.max().item<int64_t>() <= query.size(2) && vr.max().item<int64_t>() <= output.size(2),
+              "reduced_attention: a rank exceeds the query or output width");
+
+  const int32_t *start_of = starts.data_ptr<int32_t>(), *length_of = lengths.data_ptr<int32_t>();
+  const int32_t *k_rank_of = kr.data_ptr<int32_t>(), *v_rank_of = vr.data_ptr<int32_t>();
+  std::vector<Task> tasks;
+  tasks.reserve(num_sequences * num_heads);
+  for (int64_t s = 0; s < num_sequences; ++s) {
+    // Cost: query tokens x their mean key count x the head's cached width.
+    const int64_t num_queries = start_of[s + 1] - start_of[s];
+    const double keys = length_of[s] - (num_queries - 1) / 2.0;
+    for (int64_t h = 0; h < num_heads; ++h) {
+      const double width = k_rank_of[h] + v_rank_of[h];
+      tasks.push_back({s, h, num_queries * keys * width});
+    }
+  }
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks.size()));
+  const auto lists = deal(std::move(tasks), threads, balanced);
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "reduced_attention", [&] {
+    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> logits, query_row;  // per-thread scratch
+      for (int64_t thread = begin; thread < end; ++thread)
+        for (const Task& task : lists[thread])
+          run_task<scalar_t>(task, kv_cache.data_ptr<scalar_t>(), block_size, kv_cache.size(1),
+                             table.data_ptr<int32_t>(), table.size(1), starts.data_ptr<int32_t>(),
+                             lengths.data_ptr<int32_t>(), kr.data_ptr<int32_t>(), vr.data_ptr<int32_t>(),
+                             ko.data_ptr<int64_t>(), vo.data_ptr<int64_t>(), query.data_ptr<scalar_t>(),
+                             kv_cache.data_ptr<scalar_t>() + kv_cache.numel(), num_q_heads,
+                             query.size(2), output.data_ptr<float>(), output.size(2), group,
+                             static_cast<float>(scale), logits, query_row);
+    });
+  });
+}
+
+}  // namespace kvprune

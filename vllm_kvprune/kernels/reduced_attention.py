@@ -1,0 +1,124 @@
+"""FDC's attention in the reduced space, over a paged cache of packed, unequal-width heads.
+
+A layer's KV heads keep their own numbers of dimensions (K: its Q/K rank, V: its V rank),
+packed side by side in each block (:class:`PackedHeads`): no head is padded to the widest, so
+a block is ``block_size`` times the sum of the ranks. Inside a block, head ``h``'s keys are
+dims-major (dim ``d`` of the block's tokens is contiguous, so a block's logits are vector
+FMAs) and its values token-major (a token's value is one contiguous vector).
+:func:`reduced_attention` attends projected queries ``[T, Hq, QW]`` (query head ``q`` uses the
+first ``k_rank`` dims of its KV head ``q // G``) over the cache ``[blocks, block_size * W]``
+and returns reduced outputs ``[T, Hq, VW]`` fp32 (each head's first ``v_rank`` dims, the rest
+zero), causal within each sequence as vLLM's ``query_start_loc`` / ``seq_lens`` describe.
+
+The C++ op (``torch.ops.kvprune.reduced_attention``) deals (sequence, KV head) tasks to the
+threads longest first (FDC §5.3's LPT schedule; ``balanced=False``: in order, equal counts);
+:func:`reduced_attention_reference` is the plain-torch version it is tested against and the
+fallback without the extension.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_kvprune import kernels
+
+
+@dataclass(frozen=True)
+class PackedHeads:
+    """Where each KV head's dims sit in a token's row: keys of heads 0..H-1, then values."""
+
+    k_ranks: torch.Tensor  # [H] int32
+    v_ranks: torch.Tensor  # [H] int32
+    k_offsets: torch.Tensor  # [H] int64
+    v_offsets: torch.Tensor  # [H] int64
+    row_width: int  # sum of all ranks
+
+    @classmethod
+    def from_ranks(cls, k_ranks, v_ranks) -> "PackedHeads":
+        k_ranks = torch.as_tensor(k_ranks, dtype=torch.int32)
+        v_ranks = torch.as_tensor(v_ranks, dtype=torch.int32)
+        k_offsets = torch.cumsum(k_ranks.long(), 0) - k_ranks.long()
+        v_offsets = int(k_ranks.sum()) + torch.cumsum(v_ranks.long(), 0) - v_ranks.long()
+        return cls(k_ranks, v_ranks, k_offsets, v_offsets, int(k_ranks.sum() + v_ranks.sum()))
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.k_ranks.shape[0])
+
+    def _positions(self, slots: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Flat element indices of the given slots' keys ``[n, sum k]`` and values ``[n, sum v]``
+        in a cache viewed as ``[num_blocks * block_size * W]`` (W = ``row_width``)."""
+        slots = slots.long()
+        base = (slots // block_size) * block_size * self.row_width
+        within = slots % block_size
+        key_dims = torch.cat([torch.arange(int(r)) for r in self.k_ranks])
+        key_heads = torch.repeat_interleave(torch.arange(self.num_heads), self.k_ranks.long())
+        value_dims = torch.cat([torch.arange(int(r)) for r in self.v_ranks])
+        value_heads = torch.repeat_interleave(torch.arange(self.num_heads), self.v_ranks.long())
+        keys = base[:, None] + block_size * (self.k_offsets[key_heads] + key_dims)[None, :] + within[:, None]
+        values = (base[:, None] + block_size * self.v_offsets[value_heads][None, :]
+                  + within[:, None] * self.v_ranks.long()[value_heads][None, :] + value_dims[None, :])
+        return keys, values, key_heads
+
+    def write(self, kv_cache: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store reduced keys/values ``[n, H, >= rank]`` of ``n`` tokens at ``slots``."""
+        block_size = kv_cache.shape[1] // self.row_width
+        keys, values, _ = self._positions(slots, block_size)
+        flat = kv_cache.view(-1)
+        flat[keys.reshape(-1)] = torch.cat([key[:, h, : int(r)] for h, r in enumerate(self.k_ranks)], 1).reshape(-1).to(flat.dtype)
+        flat[values.reshape(-1)] = torch.cat([value[:, h, : int(r)] for h, r in enumerate(self.v_ranks)], 1).reshape(-1).to(flat.dtype)
+
+    def read(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each head's keys ``[n, k_rank]`` and values ``[n, v_rank]`` at ``slots`` (fp32)."""
+        block_size = kv_cache.shape[1] // self.row_width
+        keys, values, _ = self._positions(slots, block_size)
+        flat = kv_cache.view(-1)
+        key_rows, value_rows = flat[keys].float(), flat[values].float()
+        key_split = torch.split(key_rows, self.k_ranks.tolist(), dim=1)
+        value_split = torch.split(value_rows, self.v_ranks.tolist(), dim=1)
+        return list(key_split), list(value_split)
+
+
+def reduced_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                      query_start_loc: torch.Tensor, seq_lens: torch.Tensor, heads: PackedHeads, scale: float,
+                      output_width: int, balanced: bool = True) -> torch.Tensor:
+    """Attention of ``query`` ``[T, Hq, QW]`` over ``kv_cache`` ``[blocks, block_size * W]``;
+    returns ``[T, Hq, output_width]`` fp32 (see the module docstring)."""
+    output = torch.empty(query.shape[0], query.shape[1], output_width, dtype=torch.float32)
+    if kernels.HAS_EXTENSION:
+        torch.ops.kvprune.reduced_attention(query.contiguous(), kv_cache.contiguous(), block_table, query_start_loc,
+                                            seq_lens, heads.k_ranks, heads.v_ranks, heads.k_offsets,
+                                            heads.v_offsets, kv_cache.shape[1] // heads.row_width, float(scale),
+                                            output, balanced)
+        return output
+    return reduced_attention_reference(query, kv_cache, block_table, query_start_loc, seq_lens, heads, scale,
+                                       output_width)
+
+
+def reduced_attention_reference(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                                query_start_loc: torch.Tensor, seq_lens: torch.Tensor, heads: PackedHeads,
+                                scale: float, output_width: int) -> torch.Tensor:
+    """The same in plain torch, a sequence and a head at a time (fp32)."""
+    num_tokens, num_q_heads, _ = query.shape
+    group = num_q_heads // heads.num_heads
+    block_size = kv_cache.shape[1] // heads.row_width
+    output = torch.zeros(num_tokens, num_q_heads, output_width, dtype=torch.float32)
+    starts = query_start_loc.tolist()
+    for s, seq_len in enumerate(seq_lens.tolist()):
+        first, last = starts[s], starts[s + 1]
+        num_queries = last - first
+        positions = torch.arange(seq_len)
+        slots = block_table[s, positions // block_size].long() * block_size + positions % block_size
+        head_keys, head_values = heads.read(kv_cache, slots)
+        # Query i sees the keys before the sequence's new tokens and new tokens 0..i.
+        visible = positions[None, :] <= (seq_len - num_queries + torch.arange(num_queries))[:, None]
+        for h in range(heads.num_heads):
+            k_rank, v_rank = int(heads.k_ranks[h]), int(heads.v_ranks[h])
+            keys, values = head_keys[h], head_values[h]
+            queries = query[first:last, h * group:(h + 1) * group, :k_rank].float()  # [n, G, k]
+            logits = torch.einsum("ngk,jk->gnj", queries, keys) * scale
+            probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+            output[first:last, h * group:(h + 1) * group, :v_rank] = torch.einsum("gnj,jv->ngv", probs, values)
+    return output
