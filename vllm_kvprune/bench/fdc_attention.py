@@ -8,7 +8,9 @@ the engine's business):
 - **ours, 50% dims**: every head at rank 32 for K and V;
 - **ours, adaptive**: the ranks FDC's calibration gives at `--rate` (per layer and head, all
   30 layers' rank sets run one after another), with the longest-first (LPT) schedule and with
-  the static one, on sequences of mixed lengths (the same number of tokens in all).
+  the static one, on sequences of mixed lengths (the same number of tokens in all), and with
+  the ranks rounded up to a multiple of 16 or 32 (what aligned widths cost in memory, and
+  save in time).
 Every case runs all 30 layers, each over its own cache (so the KV bytes come from memory, as
 in a real decode step, not from the CPU's caches); times are per layer, the median of
 `--repeats` steps after a warm-up.
@@ -153,6 +155,12 @@ def run(args: argparse.Namespace) -> int:
                 _ours_call(rank_sets, equal, dtype, generator, balanced), layers, adaptive.kv_fraction())
         measure(f"ours, adaptive r={args.rate}, mixed lengths, {schedule}",
                 _ours_call(rank_sets, mixed, dtype, generator, balanced), layers, adaptive.kv_fraction())
+    for granule in (16, 32):
+        aligned = [(fdc.rank_granule(torch.tensor(k), granule, HEAD_DIM).tolist(),
+                    fdc.rank_granule(torch.tensor(v), granule, HEAD_DIM).tolist()) for k, v in rank_sets]
+        kept = sum(sum(k) + sum(v) for k, v in aligned) / (layers * 2 * HEADS * HEAD_DIM)
+        measure(f"ours, adaptive r={args.rate}, ranks up to a multiple of {granule}, equal lengths, LPT",
+                _ours_call(aligned, equal, dtype, generator, True), layers, kept)
     by_case = {row["case"]: row["ms_per_layer"] for row in rows}
     for row in rows:
         row["vs_vllm_full"] = by_case["vLLM kernel, full dims"] / row["ms_per_layer"]
