@@ -13,7 +13,9 @@ BAD_POLICIES = [
     ({"name": "paged_eviction", "budget": 256, "positions": "cache"},
      "kv_policy.positions: policy 'paged_eviction' supports only 'original'"),
     ({"name": "h2o", "budget": 64, "recent": 63}, "kv_policy.recent: must be at most budget - 1 - sinks = 59"),
-    ({"name": "fdc"}, "policy fdc is not available yet"),
+    ({"name": "fdc"}, "kv_policy.fdc: policy 'fdc' needs a calibration file"),
+    ({"name": "fdc", "fdc": "/does/not/exist.safetensors"}, "kv_policy.fdc: file not found"),
+    ({"name": "fdc", "fdc": "x.safetensors", "budget": 64}, "kv_policy.budget: policy 'fdc' keeps every token"),
     ({"name": "gvote", "gvote_samples": 0}, "kv_policy.gvote_samples: must be positive"),
     ({"name": "gvote", "budget": 256}, "kv_policy.budget: policy 'gvote' chooses its own footprint"),
 ]

@@ -26,6 +26,8 @@ from vllm_kvprune.config import REQUEST_KEYS, KVConfigError, KVPolicyConfig
 def _explain(policy: KVPolicyConfig, block_size: int) -> str:
     if policy.reports_footprint:
         return "a voted request may keep every token of its prompt and output, as without a policy"
+    if policy.name == "fdc":
+        return "fdc keeps every token, each in a narrower block"
     cap = policy.cap_blocks(block_size)
     if policy.prefill == "streaming":
         return (f"budget {policy.budget} - 1 + prefill_chunk {policy.prefill_chunk} tokens while a prompt is "
@@ -67,7 +69,7 @@ def memory_hint(policy: KVPolicyConfig, block_size: int, max_model_len: int) -> 
     if not policy.active:
         return None
     needed = policy.peak_blocks(block_size, max_model_len)
-    remedy = "lower --max-model-len" if policy.reports_footprint else "lower --kv-budget"
+    remedy = "lower --max-model-len" if policy.reports_footprint or policy.name == "fdc" else "lower --kv-budget"
     return (f"kv_policy {policy.name}: one request needs {needed} KV blocks of {block_size} tokens at once "
             f"({_explain(policy, block_size)}) and the KV pool cannot hold them; {remedy}"
             + (" or --kv-prefill-chunk" if policy.prefill == "streaming" else "")

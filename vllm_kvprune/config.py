@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 ALL_POLICIES = ("none", "streaming", "h2o", "paged_eviction", "gvote", "fdc")
 # Policies whose mechanism is built; the others fail at start-up, never silently run as `none`.
-AVAILABLE_POLICIES = ("none", "streaming", "h2o", "paged_eviction", "gvote")
+AVAILABLE_POLICIES = ("none", "streaming", "h2o", "paged_eviction", "gvote", "fdc")
 # Policies with a token budget; GVote picks its own per request, FDC keeps every token.
 BUDGETED_POLICIES = ("streaming", "h2o", "paged_eviction")
 # Policies that evict whole blocks at decode, each layer its own (the rest evict tokens).
@@ -80,6 +80,9 @@ class KVPolicyConfig:
     last prompt token's query sets each query head's step budget, `gvote_samples` the
     synthetic queries that vote, `gvote_future` the future positions whose RoPE cos/sin
     they are rotated with (averaged), `gvote_seed` the seed of their sampling (per layer).
+
+    `fdc` (FDC): the calibration file (`vllm-kvprune calibrate fdc`) whose rotations and
+    per-head ranks narrow the cached heads; `--kv-policy fdc` keeps every token.
     """
 
     name: str = "none"
@@ -95,6 +98,7 @@ class KVPolicyConfig:
     gvote_samples: int = 8
     gvote_future: int = 16
     gvote_seed: int = 0
+    fdc: str | None = None
 
     @property
     def active(self) -> bool:
@@ -158,6 +162,8 @@ class KVPolicyConfig:
             if self.prefill != "full":
                 raise KVConfigError(name_of("prefill"), f"policy {self.name!r} supports only 'full' (it votes "
                                     "once over the whole prompt)")
+        if self.name == "fdc" or self.fdc is not None:
+            self._check_fdc(name_of)
         if self.name not in BUDGETED_POLICIES:
             return self
         budget = self._resolved_budget(name_of)
@@ -199,6 +205,21 @@ class KVPolicyConfig:
     def window_size(self) -> int:
         """Recent tokens kept next to the sinks."""
         return self.budget - self.sinks
+
+    def _check_fdc(self, name_of) -> None:
+        """FDC narrows heads and keeps every token; composing it with eviction is not built."""
+        if self.name != "fdc":
+            raise KVConfigError(name_of("fdc"), f"composing FDC with {self.name} is not built yet; "
+                                "use --kv-policy fdc")
+        if not isinstance(self.fdc, (str, Path)) or not str(self.fdc):
+            raise KVConfigError(name_of("fdc"), "policy 'fdc' needs a calibration file "
+                                "(make one with: vllm-kvprune calibrate fdc MODEL --out FILE)")
+        if self.budget is not None or self.window is not None:
+            given = "budget" if self.budget is not None else "window"
+            raise KVConfigError(name_of(given), "policy 'fdc' keeps every token; remove it")
+        if self.positions != "original":
+            raise KVConfigError(name_of("positions"), "policy 'fdc' supports only 'original' (keys are "
+                                "projected after RoPE and are never rotated again)")
 
     def _resolved_budget(self, name_of) -> int:
         if self.budget is None and self.window is None:
@@ -269,8 +290,9 @@ class KVPolicyConfig:
         never more than `max_model_len` tokens need. A pool with this many usable blocks
         always serves the request, however long it waits for others to finish."""
         whole_model_len = -(-max_model_len // block_size)
-        if self.reports_footprint:
-            # Nothing bounds what a voted request keeps: its prompt and outputs, at most.
+        if self.reports_footprint or self.name == "fdc":
+            # Nothing bounds what a voted request keeps (its prompt and outputs, at most);
+            # FDC keeps every token, each narrower (the blocks are narrower, not fewer).
             return whole_model_len
         prefill = self.prefill_cap_blocks(block_size) or 0
         if num_prompt_tokens is not None:
@@ -378,6 +400,7 @@ class CLIFlags:
     gvote_samples: int | None = None
     gvote_future: int | None = None
     gvote_seed: int | None = None
+    fdc: str | None = None
     config: str | None = None
 
     def merged_with(self, base: KVPolicyConfig | None) -> KVPolicyConfig | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 
 from vllm_kvprune import admission, vllm_hooks
 
@@ -19,6 +20,7 @@ from vllm_kvprune.config import (
     ALL_POLICIES,
     AVAILABLE_POLICIES,
     CLI,
+    DICT,
     POSITION_MODES,
     PREFILL_MODES,
     REQUEST,
@@ -128,6 +130,8 @@ def _add_kv_flags(parser):
                        help="gvote: future positions whose RoPE the synthetic queries average (default 16).")
     group.add_argument("--kv-gvote-seed", type=str, default=None, metavar="SEED",
                        help="gvote: seed of the synthetic queries (default 0).")
+    group.add_argument("--kv-fdc", type=str, default=None, metavar="FILE",
+                       help="fdc: calibration file of the model (vllm-kvprune calibrate fdc MODEL --out FILE).")
     group.add_argument("--kv-config", type=str, default=None, metavar="FILE.yaml",
                        help="YAML file of KV policy settings; --kv-* flags override it.")
     return parser
@@ -142,7 +146,7 @@ def flags_from_namespace(args) -> CLIFlags:
     """The `--kv-*` values of a parsed namespace, with integers checked."""
     values = {}
     for name in ("policy", "budget", "sinks", "window", "recent", "prune_interval", "positions", "prefill",
-                 "prefill_chunk", "gvote_p", "gvote_samples", "gvote_future", "gvote_seed", "config"):
+                 "prefill_chunk", "gvote_p", "gvote_samples", "gvote_future", "gvote_seed", "fdc", "config"):
         raw = getattr(args, f"kv_{name}", None)
         if raw is not None and name in _INT_FLAGS:
             try:
@@ -167,7 +171,23 @@ def policy_from_args(args) -> KVPolicyConfig | None:
     policy.check_engine(getattr(args, "block_size", None) or CPU_DEFAULT_BLOCK_SIZE, CLI)
     if policy.name not in AVAILABLE_POLICIES:
         raise KVConfigError(CLI.name("policy"), f"policy {policy.name} is not available yet")
+    check_fdc_file(policy, getattr(args, "model", None), CLI)
     return policy
+
+
+def check_fdc_file(policy: KVPolicyConfig, model: str | None, surface=DICT) -> None:
+    """An FDC calibration must exist, load, and be the model's own (checked where the model is
+    a local folder; the worker checks again against the weights it loads)."""
+    if policy.fdc is None:
+        return
+    if not Path(policy.fdc).is_file():
+        raise KVConfigError(surface.name("fdc"), f"file not found: {policy.fdc}")
+    from vllm_kvprune.fdc import calibration
+
+    try:
+        calibration.load(policy.fdc, model if model is not None and Path(model).is_dir() else None)
+    except calibration.FdcFileError as error:
+        raise KVConfigError(surface.name("fdc"), str(error)) from None
 
 
 def _exit_on_bad_flags(namespace) -> None:
@@ -201,6 +221,10 @@ def _prepare_engine_args(engine_args) -> KVPolicyConfig | None:
             f"kv_policy {policy.name!r} cannot run with speculative decoding: a multi-token "
             "decode step would attend over evicted slots; remove --speculative-config"
         )
+    if policy.name == "fdc" and not engine_args.enforce_eager:
+        # Only the eager path is tested with FDC's projections around the attention so far.
+        logger.info("kvprune: fdc runs the model eagerly (--enforce-eager)")
+        engine_args.enforce_eager = True
     if policy.name == "gvote" and not engine_args.enforce_eager:
         # The vote reads each layer's query-projection input through a module hook, which a
         # compiled graph would not run.
@@ -220,6 +244,7 @@ def _adjust_vllm_config(vllm_config, policy: KVPolicyConfig) -> None:
         raise ValueError(f"kv_policy {policy.name!r} is not available on this platform yet (CPU only)")
     block_size = vllm_config.cache_config.block_size
     policy.check_engine(block_size)
+    check_fdc_file(policy, vllm_config.model_config.model)
     parallel = vllm_config.parallel_config
     if parallel.worker_cls not in ("auto", "vllm.v1.worker.cpu_worker.CPUWorker", WORKER_CLS):
         raise ValueError(f"kv_policy needs its own worker; --worker-cls {parallel.worker_cls} is not supported")
@@ -307,6 +332,7 @@ def __getattr__(name: str):
 # ---- engine core and worker --------------------------------------------------------------
 def _install_kv_spec() -> None:
     from vllm_kvprune.engine.manager import KVPruneManager
-    from vllm_kvprune.engine.spec import KVPruneSpec
+    from vllm_kvprune.engine.spec import FdcSpec, KVPruneSpec
 
     vllm_hooks.install_kv_spec(KVPruneSpec, KVPruneManager)
+    vllm_hooks.install_kv_spec(FdcSpec, vllm_hooks.FullAttentionManager)

@@ -89,6 +89,8 @@ HOOKS: tuple[Hook, ...] = (
          ("available_memory", "get_needed_memory", "max_model_len", "estimate_max_model_len")),
     Hook("base", "vllm.v1.kv_cache_interface:FullAttentionSpec", "base of the capped spec"),
     Hook("read", "vllm.v1.kv_cache_interface:SlidingWindowSpec", "groups left to vLLM in hybrid models"),
+    Hook("read", "vllm.model_executor.models.utils:extract_layer_index",
+         "FDC: a layer's row in the calibration, from its name", ("layer_name",)),
     Hook("override", "vllm.v1.kv_cache_interface:FullAttentionSpec.max_memory_usage_bytes",
          "what one request may need (start-up admission)", ("self", "vllm_config")),
     Hook("base", f"{_MANAGER}:FullAttentionManager", "base of the capped manager",
@@ -566,6 +568,11 @@ def rope_at_average(rope: Any, query: Any, first_position: int, count: int) -> A
     rotated, _ = RotaryEmbedding.forward_static(torch.zeros(query.shape[0], dtype=torch.int64), flat, None,
                                                 rope.head_size, rope.rotary_dim, averaged, rope.is_neox_style)
     return rotated.view_as(query)
+
+
+def layer_index(layer_name: str) -> int:
+    """The decoder layer an attention layer belongs to, as vLLM numbers it from the name."""
+    return resolve("vllm.model_executor.models.utils:extract_layer_index")(layer_name)
 
 
 def attention_schedule(builder: Any, num_reqs: int, num_heads: int, num_kv_heads: int, seq_lens: Any,

@@ -27,3 +27,9 @@ class KVPruneSpec(FullAttentionSpec):
             return full
         blocks = policy.peak_blocks(self.block_size, vllm_config.model_config.max_model_len)
         return min(full, blocks * self.page_size_bytes)
+
+
+class FdcSpec(FullAttentionSpec):
+    """Full attention whose heads are narrower (FDC): `head_size` is the per-layer packed width
+    of the reduced keys and values over `2 * num_kv_heads`, so the pool counts the bytes a token
+    really takes. Every token is kept: vLLM's own manager serves it. Field-less, as above."""

@@ -47,11 +47,12 @@ class PackedHeads:
     def num_heads(self) -> int:
         return int(self.k_ranks.shape[0])
 
-    def _positions(self, slots: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _positions(self, slots: torch.Tensor, block_size: int, block_stride: int):
         """Flat element indices of the given slots' keys ``[n, sum k]`` and values ``[n, sum v]``
-        in a cache viewed as ``[num_blocks * block_size * W]`` (W = ``row_width``)."""
+        in a cache viewed as ``[num_blocks * block_stride]`` (a block holds at least
+        ``block_size * row_width`` values; the rest of it, if any, is unused)."""
         slots = slots.long()
-        base = (slots // block_size) * block_size * self.row_width
+        base = (slots // block_size) * block_stride
         within = slots % block_size
         key_dims = torch.cat([torch.arange(int(r)) for r in self.k_ranks])
         key_heads = torch.repeat_interleave(torch.arange(self.num_heads), self.k_ranks.long())
@@ -62,18 +63,27 @@ class PackedHeads:
                   + within[:, None] * self.v_ranks.long()[value_heads][None, :] + value_dims[None, :])
         return keys, values, key_heads
 
-    def write(self, kv_cache: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Store reduced keys/values ``[n, H, >= rank]`` of ``n`` tokens at ``slots``."""
-        block_size = kv_cache.shape[1] // self.row_width
-        keys, values, _ = self._positions(slots, block_size)
+    def block_size_of(self, kv_cache: torch.Tensor, block_size: int | None) -> int:
+        block_size = block_size or kv_cache.shape[1] // self.row_width
+        if block_size * self.row_width > kv_cache.shape[1]:
+            raise ValueError(f"blocks of {kv_cache.shape[1]} values cannot hold {block_size} rows of {self.row_width}")
+        return block_size
+
+    def write(self, kv_cache: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              block_size: int | None = None) -> None:
+        """Store reduced keys/values ``[n, H, >= rank]`` of ``n`` tokens at ``slots`` of a cache
+        ``[num_blocks, >= block_size * row_width]`` (``block_size`` default: as many as fit)."""
+        block_size = self.block_size_of(kv_cache, block_size)
+        keys, values, _ = self._positions(slots, block_size, kv_cache.shape[1])
         flat = kv_cache.view(-1)
         flat[keys.reshape(-1)] = torch.cat([key[:, h, : int(r)] for h, r in enumerate(self.k_ranks)], 1).reshape(-1).to(flat.dtype)
         flat[values.reshape(-1)] = torch.cat([value[:, h, : int(r)] for h, r in enumerate(self.v_ranks)], 1).reshape(-1).to(flat.dtype)
 
-    def read(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def read(self, kv_cache: torch.Tensor, slots: torch.Tensor,
+             block_size: int | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Each head's keys ``[n, k_rank]`` and values ``[n, v_rank]`` at ``slots`` (fp32)."""
-        block_size = kv_cache.shape[1] // self.row_width
-        keys, values, _ = self._positions(slots, block_size)
+        block_size = self.block_size_of(kv_cache, block_size)
+        keys, values, _ = self._positions(slots, block_size, kv_cache.shape[1])
         flat = kv_cache.view(-1)
         key_rows, value_rows = flat[keys].float(), flat[values].float()
         key_split = torch.split(key_rows, self.k_ranks.tolist(), dim=1)
@@ -83,27 +93,27 @@ class PackedHeads:
 
 def reduced_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, heads: PackedHeads, scale: float,
-                      output_width: int, balanced: bool = True) -> torch.Tensor:
+                      output_width: int, balanced: bool = True, block_size: int | None = None) -> torch.Tensor:
     """Attention of ``query`` ``[T, Hq, QW]`` over ``kv_cache`` ``[blocks, block_size * W]``;
     returns ``[T, Hq, output_width]`` fp32 (see the module docstring)."""
     output = torch.empty(query.shape[0], query.shape[1], output_width, dtype=torch.float32)
+    block_size = heads.block_size_of(kv_cache, block_size)
     if kernels.HAS_EXTENSION:
         torch.ops.kvprune.reduced_attention(query.contiguous(), kv_cache.contiguous(), block_table, query_start_loc,
                                             seq_lens, heads.k_ranks, heads.v_ranks, heads.k_offsets,
-                                            heads.v_offsets, kv_cache.shape[1] // heads.row_width, float(scale),
-                                            output, balanced)
+                                            heads.v_offsets, block_size, float(scale), output, balanced)
         return output
     return reduced_attention_reference(query, kv_cache, block_table, query_start_loc, seq_lens, heads, scale,
-                                       output_width)
+                                       output_width, block_size)
 
 
 def reduced_attention_reference(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                                 query_start_loc: torch.Tensor, seq_lens: torch.Tensor, heads: PackedHeads,
-                                scale: float, output_width: int) -> torch.Tensor:
+                                scale: float, output_width: int, block_size: int | None = None) -> torch.Tensor:
     """The same in plain torch, a sequence and a head at a time (fp32)."""
     num_tokens, num_q_heads, _ = query.shape
     group = num_q_heads // heads.num_heads
-    block_size = kv_cache.shape[1] // heads.row_width
+    block_size = heads.block_size_of(kv_cache, block_size)
     output = torch.zeros(num_tokens, num_q_heads, output_width, dtype=torch.float32)
     starts = query_start_loc.tolist()
     for s, seq_len in enumerate(seq_lens.tolist()):
@@ -111,7 +121,7 @@ def reduced_attention_reference(query: torch.Tensor, kv_cache: torch.Tensor, blo
         num_queries = last - first
         positions = torch.arange(seq_len)
         slots = block_table[s, positions // block_size].long() * block_size + positions % block_size
-        head_keys, head_values = heads.read(kv_cache, slots)
+        head_keys, head_values = heads.read(kv_cache, slots, block_size)
         # Query i sees the keys before the sequence's new tokens and new tokens 0..i.
         visible = positions[None, :] <= (seq_len - num_queries + torch.arange(num_queries))[:, None]
         for h in range(heads.num_heads):

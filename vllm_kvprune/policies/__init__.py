@@ -6,6 +6,7 @@ A policy is a small class (see `base.Policy`); `get_policy(name)` returns it.
 from __future__ import annotations
 
 from vllm_kvprune.policies.base import Policy
+from vllm_kvprune.policies.fdc import FdcPolicy
 from vllm_kvprune.policies.gvote import GVotePolicy
 from vllm_kvprune.policies.h2o import H2OPolicy
 from vllm_kvprune.policies.paged_eviction import PagedEvictionPolicy
@@ -16,6 +17,7 @@ _POLICIES: dict[str, type[Policy]] = {
     "h2o": H2OPolicy,
     "paged_eviction": PagedEvictionPolicy,
     "gvote": GVotePolicy,
+    "fdc": FdcPolicy,
 }
 
 
@@ -27,4 +29,4 @@ def get_policy(name: str) -> Policy:
         raise ValueError(f"policy {name!r} is not available yet") from None
 
 
-__all__ = ["GVotePolicy", "H2OPolicy", "PagedEvictionPolicy", "Policy", "StreamingPolicy", "get_policy"]
+__all__ = ["FdcPolicy", "GVotePolicy", "H2OPolicy", "PagedEvictionPolicy", "Policy", "StreamingPolicy", "get_policy"]

@@ -19,7 +19,8 @@ class Policy:
     # "token": one slot map for all layers (survivors/victims below); "block": each layer
     # evicts its own whole blocks (see `PagedEvictionPolicy`); "head": each layer and KV
     # head evicts its own tokens (see `H2OPolicy`); "headpage": each layer and KV head keeps
-    # its own number of tokens, in head-pages (see `GVotePolicy`).
+    # its own number of tokens, in head-pages (see `GVotePolicy`); "dims": every token stays,
+    # each head narrower (see `FdcPolicy`; no per-step plan).
     granularity: str = "token"
 
     def survivors(self, logical: np.ndarray, keep: int, config: KVPolicyConfig) -> np.ndarray:

@@ -20,7 +20,7 @@ import torch
 
 from vllm_kvprune import kernels, vllm_hooks
 from vllm_kvprune.config import policy_from_vllm_config
-from vllm_kvprune.engine.spec import KVPruneSpec
+from vllm_kvprune.engine.spec import FdcSpec, KVPruneSpec
 from vllm_kvprune.vllm_hooks import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
@@ -46,8 +46,11 @@ class KVPruneMetadataBuilder(CPUAttentionMetadataBuilder):
         # Only the policy's KV-cache group is planned; vLLM's own groups (a hybrid model's
         # sliding-window layers) are built exactly as vLLM builds them.
         self.policy_active = policy_from_vllm_config(vllm_config).active and isinstance(kv_cache_spec, KVPruneSpec)
+        self.narrow_heads = isinstance(kv_cache_spec, FdcSpec)
 
     def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False) -> CPUAttentionMetadata:
+        if self.narrow_heads:
+            return _fdc_metadata(common_attn_metadata)
         worker_state = runtime.worker_state() if self.policy_active else None
         if worker_state is None or worker_state.dummy_runs:
             return super().build(common_prefix_len, common_attn_metadata, fast_build)
@@ -78,6 +81,17 @@ class KVPruneMetadataBuilder(CPUAttentionMetadataBuilder):
         ]
 
 
+def _fdc_metadata(common) -> CPUAttentionMetadata:
+    """What FDC's kernel reads: vLLM's rows, lengths and block table, with no schedule of
+    vLLM's kernel (whose head sizes the narrowed spec would not match)."""
+    return CPUAttentionMetadata(
+        num_actual_tokens=common.num_actual_tokens, max_query_len=common.max_query_len,
+        query_start_loc=common.query_start_loc_cpu, max_seq_len=common.max_seq_len,
+        seq_lens=common.seq_lens, block_table=common.block_table_tensor,
+        slot_mapping=common.slot_mapping, scheduler_metadata=None,
+    )
+
+
 def _layer_block_tables(block_table: torch.Tensor, plan: StepPlan, worker_state) -> torch.Tensor | None:
     """`[layers, rows, cols]`: each layer's block table, rows reordered where its blocks are.
 
@@ -103,6 +117,12 @@ class KVPruneImpl(CPUAttentionBackendImpl):
         return getattr(vllm_hooks.layer_metadata(layer.layer_name), "kvprune_plan", None)
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        narrow = _fdc_layers(kv_cache)
+        if narrow is not None:
+            num_tokens = len(slot_mapping)
+            narrow.write(vllm_hooks.layer_index(layer.layer_name), key[:num_tokens], value[:num_tokens], kv_cache,
+                         slot_mapping, _block_size(kv_cache, narrow))
+            return
         plan = self._plan(layer)
         if plan is not None and plan.layer_slot_mapping is not None:
             self._write_scored(layer, key, value, kv_cache, plan)
@@ -224,6 +244,14 @@ class KVPruneImpl(CPUAttentionBackendImpl):
         worker_state.score_seconds += time.perf_counter() - started
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        narrow = _fdc_layers(kv_cache)
+        if narrow is not None and attn_metadata is not None:
+            num_tokens = attn_metadata.num_actual_tokens
+            attended = narrow.attend(vllm_hooks.layer_index(layer.layer_name), query[:num_tokens], kv_cache,
+                                     attn_metadata.block_table, attn_metadata.query_start_loc,
+                                     attn_metadata.seq_lens, self.scale, _block_size(kv_cache, narrow))
+            output[:num_tokens].view(num_tokens, self.num_heads, self.head_size).copy_(attended)
+            return output
         plan = getattr(attn_metadata, "kvprune_plan", None)
         layer_tables = getattr(attn_metadata, "kvprune_layer_tables", None)
         if layer_tables is not None:
@@ -304,6 +332,18 @@ class KVPruneImpl(CPUAttentionBackendImpl):
         kernels.write_slots(rotated, torch.cat(values), kv_cache, torch.cat(slots), layout)
 
 
+def _fdc_layers(kv_cache: torch.Tensor):
+    """The worker's FDC layers when this cache is FDC's (narrower than the model's heads)."""
+    worker_state = runtime.worker_state()
+    narrow = worker_state.fdc if worker_state is not None else None
+    return narrow if narrow is not None and kv_cache.numel() else None
+
+
+def _block_size(kv_cache: torch.Tensor, narrow) -> int:
+    """Tokens per block of a layer cache `[num_blocks, H, block_size, 2 * head_size]`."""
+    return kv_cache.shape[2]
+
+
 def _head_page_view(kv_cache: torch.Tensor) -> torch.Tensor:
     """The layer cache as one KV head per page, `[num_blocks * H, 1, block_size, 2D]`."""
     num_blocks, num_heads, block_size, packed = kv_cache.shape
@@ -346,7 +386,12 @@ class KVPruneCPUBackend(CPUAttentionBackend):
         worker_state = runtime.worker_state()
         if type(spec) is not FullAttentionSpec or worker_state is None or not worker_state.engine_config.active:
             return spec
-        return KVPruneSpec(**{f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)})
+        fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
+        if worker_state.fdc is not None:
+            # Narrower heads: the pool counts the packed reduced K/V a token really takes.
+            narrow_size = worker_state.fdc.spec_head_size
+            return FdcSpec(**{**fields, "head_size": narrow_size, "head_size_v": narrow_size})
+        return KVPruneSpec(**fields)
 
 
 __all__ = ["KVPruneCPUBackend", "KVPruneImpl", "KVPruneMetadataBuilder"]

@@ -4,16 +4,16 @@ The worker reads every attention layer as vLLM built it (its impl's window, soft
 sinks, cache dtype, attention type, KV sharing, and the RoPE the layer applies) and decides
 once, before the KV cache exists:
 
-| feature                         | streaming          | paged_eviction     | h2o                | gvote              |
-|---------------------------------|--------------------|--------------------|--------------------|--------------------|
-| sliding-window layer            | left to vLLM       | left to vLLM       | left to vLLM       | left to vLLM       |
-| every layer sliding-window      | refused            | refused            | refused            | refused            |
-| logit soft-capping              | yes (vLLM kernel)  | yes (vLLM kernel)  | yes (our kernel)   | refused            |
-| attention sinks (learned)       | yes (vLLM kernel)  | yes (vLLM kernel)  | refused            | refused            |
-| ALiBi                           | refused            | refused            | refused            | refused            |
-| fp8 KV cache                    | refused            | refused            | refused            | refused            |
-| non-decoder attention, KV reuse | refused            | refused            | refused            | refused            |
-| no fused QKV projection + RoPE  | yes                | yes                | yes                | refused            |
+| feature                         | streaming          | paged_eviction     | h2o                | gvote              | fdc      |
+|---------------------------------|--------------------|--------------------|--------------------|--------------------|----------|
+| sliding-window layer            | left to vLLM       | left to vLLM       | left to vLLM       | left to vLLM       | refused  |
+| every layer sliding-window      | refused            | refused            | refused            | refused            | refused  |
+| logit soft-capping              | yes (vLLM kernel)  | yes (vLLM kernel)  | yes (our kernel)   | refused            | refused  |
+| attention sinks (learned)       | yes (vLLM kernel)  | yes (vLLM kernel)  | refused            | refused            | refused  |
+| ALiBi                           | refused            | refused            | refused            | refused            | refused  |
+| fp8 KV cache                    | refused            | refused            | refused            | refused            | refused  |
+| non-decoder attention, KV reuse | refused            | refused            | refused            | refused            | refused  |
+| no fused QKV projection + RoPE  | yes                | yes                | yes                | refused            | yes      |
 | `positions: cache`              | the layer's own RoPE if plain (any style, partial, scaled), else refused | - | - |
 
 Why: the policies reorder a request's slots (EQUIP), so everything vLLM's kernel derives
@@ -101,6 +101,14 @@ def refusal(config: KVPolicyConfig, layers: list[LayerFeatures],
             return refused("attention sinks", layer, "use streaming or paged_eviction")
         if layer.softcap and policy == "gvote" and layer.pruned:
             return refused("logit soft-capping", layer, "use streaming, h2o or paged_eviction")
+        if policy == "fdc":
+            # FDC's kernel: plain causal softmax attention in the reduced space.
+            if layer.sliding_window is not None:
+                return refused("sliding-window attention", layer, "FDC's kernel has no window")
+            if layer.softcap:
+                return refused("logit soft-capping", layer, "FDC's kernel does not cap logits")
+            if layer.sinks:
+                return refused("attention sinks", layer, "FDC's kernel has none")
     pruned = [layer for layer in layers if layer.pruned]
     if not pruned:
         return refused("sliding-window attention", layers[0],

@@ -6,7 +6,7 @@ import logging
 
 from vllm_kvprune import vllm_hooks
 from vllm_kvprune.config import policy_from_vllm_config
-from vllm_kvprune.engine.spec import KVPruneSpec
+from vllm_kvprune.engine.spec import FdcSpec, KVPruneSpec
 from vllm_kvprune.vllm_hooks import CPUModelRunner, SlidingWindowSpec
 from vllm_kvprune.worker import runtime
 from vllm_kvprune.worker.features import LayerFeatures, UnsupportedModelError, refusal
@@ -32,6 +32,28 @@ class KVPruneCPUModelRunner(CPUModelRunner):
         super().load_model(*args, **kwargs)
         if self.kv_state.policy is not None:
             self._check_attention_features()
+        if self.kv_state.engine_config.name == "fdc":
+            self._load_fdc()
+
+    def _load_fdc(self) -> None:
+        """The calibration's rotations and widths, checked against the weights being served."""
+        from pathlib import Path
+
+        from vllm_kvprune.worker.fdc_layers import FdcLayers
+
+        model_dir = self.model_config.model
+        fdc = FdcLayers(self.kv_state.engine_config.fdc, model_dir if Path(model_dir).is_dir() else None)
+        layers = vllm_hooks.attention_layers(self.vllm_config)
+        if fdc.calibration.num_layers != len(layers) or any(
+                layer.impl.num_kv_heads != fdc.num_kv_heads or layer.impl.head_size != fdc.head_dim
+                for layer in layers.values()):
+            raise UnsupportedModelError(
+                f"fdc: the calibration is for {fdc.calibration.num_layers} layers of {fdc.num_kv_heads} KV heads "
+                f"of size {fdc.head_dim}; the model has {len(layers)} attention layers of another shape")
+        self.kv_state.fdc = fdc
+        logger.info("kvprune: fdc narrows every KV head (rate %s): a token takes %.1f%% of its full cache "
+                    "(packed widths, every layer as wide as the widest)",
+                    fdc.calibration.settings.get("rate"), 100 * fdc.kv_fraction())
 
     def _check_attention_features(self) -> None:
         """Refuse, in one line, a model whose attention the policy cannot honour; keep each
@@ -68,6 +90,9 @@ class KVPruneCPUModelRunner(CPUModelRunner):
         if self.kv_state.policy is None:
             return
         name = self.kv_state.engine_config.name
+        if name == "fdc":
+            self._check_fdc_groups(kv_cache_config)
+            return
         groups = [index for index, group in enumerate(kv_cache_config.kv_cache_groups)
                   if isinstance(group.kv_cache_spec, KVPruneSpec)]
         for group in kv_cache_config.kv_cache_groups:
@@ -95,6 +120,14 @@ class KVPruneCPUModelRunner(CPUModelRunner):
                                  self.model_config.get_total_num_kv_heads(), spec.num_kv_heads)
         if isinstance(self.kv_state.scores, PagedLayers):
             self._attach_voters(self.kv_state.scores)
+
+    @staticmethod
+    def _check_fdc_groups(kv_cache_config) -> None:
+        """Every layer narrowed: one group of FDC's spec (vLLM plans its block tables)."""
+        for group in kv_cache_config.kv_cache_groups:
+            if not isinstance(group.kv_cache_spec, FdcSpec):
+                raise UnsupportedModelError(
+                    f"fdc: {type(group.kv_cache_spec).__name__} layers ({list(group.layer_names)[0]}) are not supported")
 
     def _attach_voters(self, paged_layers: PagedLayers) -> None:
         """Per pruned layer: its query path for synthetic queries, and a hook on its query

@@ -159,6 +159,8 @@ class WorkerKVState:
         self.score_seconds = 0.0
         # > 0 while the runner runs a profiling or warm-up batch (no requests: not planned).
         self.dummy_runs = 0
+        # FDC's rotations and packed widths (`fdc` policy), loaded with the model.
+        self.fdc = None
         # Layer name -> rotate(keys, shifts) with that layer's own RoPE (`positions: cache`).
         self.sink_rotations: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {}
 

@@ -1,0 +1,134 @@
+"""`fdc` served by vLLM against the FDC reference (tiny Llama, fp32, eager).
+
+- adaptive ranks (rate 0.1): the same greedy tokens as `reference/fdc.py`, logprobs within
+  1e-3, for prompts that cross block boundaries, batched with each other;
+- every rank at the head size: the same tokens as the full-cache reference (`none`);
+- the pool: vLLM's KV-cache spec reports the narrowed per-token size, so the same bytes hold
+  proportionally more blocks (counted from the engine's own pool);
+- per-request overrides of a budget are refused; a calibration of another model is refused
+  before the engine starts, naming the setting.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import engine, make_llm, page_bytes, scheduler_of
+
+from vllm_kvprune.fdc import calibration as fdc
+from vllm_kvprune.reference.fdc import FdcReference
+from vllm_kvprune.reference.model import BudgetedReference
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [list(range(100, 160)), list(range(300, 340)), [7 * i % 49000 + 3 for i in range(100)]]
+NEW_TOKENS = 10
+KV_BLOCKS = 160  # above the 129 blocks one max_model_len (4096) request needs at full width
+
+
+@pytest.fixture(scope="module")
+def calibrations(tiny_model, tmp_path_factory) -> dict[str, tuple]:
+    folder = tmp_path_factory.mktemp("fdc")
+    adaptive = fdc.calibrate(tiny_model, tokens=256, seq_len=128, seed=0, rate=0.1)
+    full = adaptive.with_uniform_ranks(adaptive.head_dim, adaptive.head_dim)
+    files = {}
+    for name, calibration in (("adaptive", adaptive), ("full", full)):
+        path = folder / f"{name}.safetensors"
+        calibration.save(path)
+        files[name] = (str(path), calibration)
+    return files
+
+
+def _generate(llm) -> list[tuple[list[int], list[float]]]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, logprobs=0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in PROMPTS], params, use_tqdm=False)
+    results = []
+    for output in outputs:
+        completion = output.outputs[0]
+        tokens = list(completion.token_ids)
+        results.append((tokens, [completion.logprobs[i][token].logprob for i, token in enumerate(tokens)]))
+    return results
+
+
+def _assert_matches(results, references) -> None:
+    for (tokens, logprobs), expected in zip(results, references):
+        assert tokens == expected.token_ids
+        assert max(abs(a - b) for a, b in zip(logprobs, expected.logprobs)) < 1e-3
+
+
+@pytest.fixture(scope="module")
+def adaptive_run(tiny_model, calibrations):
+    path, _ = calibrations["adaptive"]
+    with engine(tiny_model, {"name": "fdc", "fdc": path}, kv_blocks=KV_BLOCKS) as llm:
+        pool_blocks = scheduler_of(llm).kv_cache_manager.block_pool.num_gpu_blocks
+        results = _generate(llm)
+    return results, pool_blocks
+
+
+def test_adaptive_ranks_match_the_reference(adaptive_run, calibrations, reference_model) -> None:
+    _, calibration = calibrations["adaptive"]
+    assert (calibration.qk_rank < calibration.head_dim).all() and (calibration.v_rank < calibration.head_dim).all()
+    references = [FdcReference(reference_model, calibration).generate(prompt, NEW_TOKENS, prompt_logprobs=False)
+                  for prompt in PROMPTS]
+    _assert_matches(adaptive_run[0], references)
+
+
+def test_full_ranks_equal_none(tiny_model, calibrations, reference_model) -> None:
+    path, _ = calibrations["full"]
+    with engine(tiny_model, {"name": "fdc", "fdc": path}, kv_blocks=KV_BLOCKS) as llm:
+        results = _generate(llm)
+    none = [BudgetedReference(reference_model, budget=None).generate(prompt, NEW_TOKENS, prompt_logprobs=False)
+            for prompt in PROMPTS]
+    _assert_matches(results, none)
+
+
+def test_the_pool_holds_more_narrow_blocks_for_the_same_bytes(adaptive_run, calibrations, tiny_model) -> None:
+    _, calibration = calibrations["adaptive"]
+    options = dict(dtype="float32", block_size=32)
+    pool_bytes = KV_BLOCKS * page_bytes(tiny_model, options)
+    heads = calibration.num_kv_heads
+    widest = max(int(calibration.qk_rank[layer].sum() + calibration.v_rank[layer].sum())
+                 for layer in range(calibration.num_layers))
+    narrow_head = math.ceil(widest / (2 * heads))  # the spec's head size: packed width over 2 H
+    narrow_page = 2 * 32 * heads * narrow_head * 4 * calibration.num_layers
+    pool_blocks = adaptive_run[1]
+    assert pool_blocks == pool_bytes // narrow_page
+    assert pool_blocks > KV_BLOCKS  # the full-width pool of the same bytes
+
+
+def test_budget_override_and_a_foreign_calibration_are_refused(adaptive_run, calibrations, real_model) -> None:
+    path, _ = calibrations["adaptive"]
+    with pytest.raises(ValueError, match="kv_policy.fdc: .*made for a model of"):
+        make_llm(real_model, {"name": "fdc", "fdc": path})
+    from vllm_kvprune.config import KVConfigError, KVPolicyConfig
+
+    policy = KVPolicyConfig(name="fdc", fdc=path).validated()
+    with pytest.raises(KVConfigError, match="kv_budget: policy 'fdc' keeps every token"):
+        policy.for_request({"kv_budget": 64})
+    assert torch.equal(fdc.load(path).qk_rank, calibrations["adaptive"][1].qk_rank)
+
+
+def test_real_model_matches_the_reference(real_model, tmp_path) -> None:
+    """SmolLM2-135M (30 layers, 9 query / 3 KV heads of 64), fp32, a calibration of 1024 tokens."""
+    from vllm_kvprune.reference.model import load_reference_model
+
+    calibration = fdc.calibrate(real_model, tokens=1024, seq_len=512, seed=0, rate=0.05)
+    path = tmp_path / "real.safetensors"
+    calibration.save(path)
+    prompts = PROMPTS[:2]
+    with engine(real_model, {"name": "fdc", "fdc": str(path)}, kv_blocks=200) as llm:
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, logprobs=0, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts], params, use_tqdm=False)
+    model = load_reference_model(real_model)
+    for prompt, output in zip(prompts, outputs):
+        expected = FdcReference(model, calibration).generate(prompt, NEW_TOKENS, prompt_logprobs=False)
+        completion = output.outputs[0]
+        assert list(completion.token_ids) == expected.token_ids
+        logprobs = [completion.logprobs[i][token].logprob for i, token in enumerate(completion.token_ids)]
+        assert max(abs(a - b) for a, b in zip(logprobs, expected.logprobs)) < 1e-3

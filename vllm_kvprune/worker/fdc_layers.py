@@ -1,0 +1,92 @@
+"""FDC on the worker: each layer's rotations and packed head widths, and the three steps around
+the attention kernel (project the keys/values written, project the queries, turn the output
+back).
+
+Per layer `l` and KV head `h` (calibration file, `vllm_kvprune.fdc.calibration`): the Q/K
+rotation `R[l, h]` cut to its first `k_h` columns, the V rotation `R_v[l, h]` cut to `k_v,h`.
+The cache stores, per token, every head's `k_h` key dims and `k_v,h` value dims side by side
+(`PackedHeads`), so a layer needs `sum_h (k_h + k_v,h)` values per token. vLLM's KV-cache spec
+has one head size for every layer, so every layer's blocks are as wide as the widest layer's
+row (`padded_width`, rounded up to a multiple of `2 * H` so it is a head size): the pool's
+memory follows the widest layer, the kernel reads only each layer's own row.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from vllm_kvprune.fdc import calibration as fdc
+from vllm_kvprune.kernels.reduced_attention import PackedHeads, reduced_attention
+
+
+@dataclass(frozen=True)
+class FdcLayer:
+    """One layer's cut rotations (fp32) and packing."""
+
+    heads: PackedHeads
+    qk_rotation: torch.Tensor  # [H, d, max k_h], columns past a head's rank are zero
+    v_rotation: torch.Tensor  # [H, d, max k_v,h]
+
+
+class FdcLayers:
+    """Every layer's FDC, from a calibration file checked against the served model."""
+
+    def __init__(self, path: str, model_dir: str | None) -> None:
+        calibration = fdc.load(path, model_dir if model_dir is not None else None)
+        self.calibration = calibration
+        self.num_kv_heads, self.head_dim = calibration.num_kv_heads, calibration.head_dim
+        self.layers = [self._layer(calibration, index) for index in range(calibration.num_layers)]
+        widest = max(layer.heads.row_width for layer in self.layers)
+        granule = 2 * self.num_kv_heads
+        self.padded_width = math.ceil(widest / granule) * granule
+
+    @staticmethod
+    def _layer(calibration: fdc.FdcCalibration, index: int) -> FdcLayer:
+        k_ranks, v_ranks = calibration.qk_rank[index], calibration.v_rank[index]
+        dims = torch.arange(calibration.head_dim)
+        qk = calibration.qk_rotation[index].float()[:, :, : int(k_ranks.max())]
+        qk = qk * (dims[: qk.shape[-1]] < k_ranks[:, None]).float()[:, None, :]
+        v = calibration.v_rotation[index].float()[:, :, : int(v_ranks.max())]
+        v = v * (dims[: v.shape[-1]] < v_ranks[:, None]).float()[:, None, :]
+        return FdcLayer(PackedHeads.from_ranks(k_ranks, v_ranks), qk.contiguous(), v.contiguous())
+
+    @property
+    def spec_head_size(self) -> int:
+        """The head size vLLM's spec gets: `2 * H * head_size` values per token per block."""
+        return self.padded_width // (2 * self.num_kv_heads)
+
+    def kv_fraction(self) -> float:
+        """Per-token cache size over the uncompressed one's (as the pool allocates it)."""
+        return self.spec_head_size / self.head_dim
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+              slots: torch.Tensor, block_size: int) -> None:
+        """Reduce the new tokens' keys/values `[T, H, d]` and store them at `slots`."""
+        fdc_layer = self.layers[layer]
+        keep = slots >= 0  # vLLM pads a batch with slot -1
+        if not bool(keep.all()):
+            key, value, slots = key[keep], value[keep], slots[keep]
+        reduced_keys = torch.einsum("thd,hdk->thk", key.float(), fdc_layer.qk_rotation)
+        reduced_values = torch.einsum("thd,hdk->thk", value.float(), fdc_layer.v_rotation)
+        fdc_layer.heads.write(self.blocks_of(kv_cache, fdc_layer), slots, reduced_keys, reduced_values,
+                              block_size=block_size)
+
+    def attend(self, layer: int, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+               query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, block_size: int) -> torch.Tensor:
+        """Attention of queries `[T, Hq, d]` in the reduced space; returns `[T, Hq, d]` fp32."""
+        fdc_layer = self.layers[layer]
+        group = query.shape[1] // self.num_kv_heads
+        rotation = fdc_layer.qk_rotation.repeat_interleave(group, dim=0)  # [Hq, d, k]
+        reduced = torch.einsum("tqd,qdk->tqk", query.float(), rotation)
+        cache = self.blocks_of(kv_cache, fdc_layer)
+        out = reduced_attention(reduced.to(cache.dtype), cache, block_table, query_start_loc, seq_lens,
+                                fdc_layer.heads, scale, fdc_layer.v_rotation.shape[-1], block_size=block_size)
+        back = fdc_layer.v_rotation.repeat_interleave(group, dim=0)  # [Hq, d, k_v]
+        return torch.einsum("tqk,qdk->tqd", out, back)
+
+    def blocks_of(self, kv_cache: torch.Tensor, fdc_layer: FdcLayer) -> torch.Tensor:
+        """vLLM's layer cache viewed as `[num_blocks, block_size * padded_width]`."""
+        return kv_cache.view(kv_cache.shape[0], -1)
