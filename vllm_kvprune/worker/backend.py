@@ -121,7 +121,7 @@ class KVPruneImpl(CPUAttentionBackendImpl):
         if narrow is not None:
             num_tokens = len(slot_mapping)
             narrow.write(vllm_hooks.layer_index(layer.layer_name), key[:num_tokens], value[:num_tokens], kv_cache,
-                         slot_mapping, _block_size(kv_cache, narrow))
+                         slot_mapping, _block_size(kv_cache))
             return
         plan = self._plan(layer)
         if plan is not None and plan.layer_slot_mapping is not None:
@@ -249,7 +249,7 @@ class KVPruneImpl(CPUAttentionBackendImpl):
             num_tokens = attn_metadata.num_actual_tokens
             attended = narrow.attend(vllm_hooks.layer_index(layer.layer_name), query[:num_tokens], kv_cache,
                                      attn_metadata.block_table, attn_metadata.query_start_loc,
-                                     attn_metadata.seq_lens, self.scale, _block_size(kv_cache, narrow))
+                                     attn_metadata.seq_lens, self.scale, _block_size(kv_cache))
             output[:num_tokens].view(num_tokens, self.num_heads, self.head_size).copy_(attended)
             return output
         plan = getattr(attn_metadata, "kvprune_plan", None)
@@ -339,7 +339,7 @@ def _fdc_layers(kv_cache: torch.Tensor):
     return narrow if narrow is not None and kv_cache.numel() else None
 
 
-def _block_size(kv_cache: torch.Tensor, narrow) -> int:
+def _block_size(kv_cache: torch.Tensor) -> int:
     """Tokens per block of a layer cache `[num_blocks, H, block_size, 2 * head_size]`."""
     return kv_cache.shape[2]
 

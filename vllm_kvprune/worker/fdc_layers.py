@@ -35,7 +35,7 @@ class FdcLayers:
     """Every layer's FDC, from a calibration file checked against the served model."""
 
     def __init__(self, path: str, model_dir: str | None) -> None:
-        calibration = fdc.load(path, model_dir if model_dir is not None else None)
+        calibration = fdc.load(path, model_dir)
         self.calibration = calibration
         self.num_kv_heads, self.head_dim = calibration.num_kv_heads, calibration.head_dim
         self.layers = [self._layer(calibration, index) for index in range(calibration.num_layers)]
@@ -71,7 +71,7 @@ class FdcLayers:
             key, value, slots = key[keep], value[keep], slots[keep]
         reduced_keys = torch.einsum("thd,hdk->thk", key.float(), fdc_layer.qk_rotation)
         reduced_values = torch.einsum("thd,hdk->thk", value.float(), fdc_layer.v_rotation)
-        fdc_layer.heads.write(self.blocks_of(kv_cache, fdc_layer), slots, reduced_keys, reduced_values,
+        fdc_layer.heads.write(blocks_of(kv_cache), slots, reduced_keys, reduced_values,
                               block_size=block_size)
 
     def attend(self, layer: int, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -81,12 +81,15 @@ class FdcLayers:
         group = query.shape[1] // self.num_kv_heads
         rotation = fdc_layer.qk_rotation.repeat_interleave(group, dim=0)  # [Hq, d, k]
         reduced = torch.einsum("tqd,qdk->tqk", query.float(), rotation)
-        cache = self.blocks_of(kv_cache, fdc_layer)
+        cache = blocks_of(kv_cache)
         out = reduced_attention(reduced.to(cache.dtype), cache, block_table, query_start_loc, seq_lens,
                                 fdc_layer.heads, scale, fdc_layer.v_rotation.shape[-1], block_size=block_size)
         back = fdc_layer.v_rotation.repeat_interleave(group, dim=0)  # [Hq, d, k_v]
         return torch.einsum("tqk,qdk->tqd", out, back)
 
-    def blocks_of(self, kv_cache: torch.Tensor, fdc_layer: FdcLayer) -> torch.Tensor:
-        """vLLM's layer cache viewed as `[num_blocks, block_size * padded_width]`."""
-        return kv_cache.view(kv_cache.shape[0], -1)
+
+
+def blocks_of(kv_cache: torch.Tensor) -> torch.Tensor:
+    """vLLM's layer cache `[num_blocks, H, block_size, 2 * head_size]` as FDC's blocks
+    `[num_blocks, block_size * padded_width]` (the same bytes: `2 H head_size = padded_width`)."""
+    return kv_cache.view(kv_cache.shape[0], -1)
