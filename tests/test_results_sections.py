@@ -177,3 +177,24 @@ def test_gvote_section_reads_every_length_from_its_json() -> None:
         group = [r for r in document["results"] if r["prompt_tokens"] == length]
         assert float(rows[str(length)][2]) == pytest.approx(sum(r["blocks_held"] for r in group) / len(group), abs=0.05)
         assert float(rows[str(length)][4]) == pytest.approx(sum(r["blocks_none"] for r in group) / len(group), abs=0.05)
+
+
+def test_fdc_section_shows_every_calibration_and_sweep_point() -> None:
+    folder = RESULTS / "fdc"
+    rendered = sections.fdc_section(folder, DOC_DIR)
+    found = [(label, json.loads((folder / name).read_text())) for name, label in sections.FDC_CALIBRATIONS
+             if (folder / name).is_file()]
+    assert found
+    found_tables = tables(rendered)
+    calibration_table, sweep_table, attention_table = found_tables[0], found_tables[1], found_tables[-1]
+    assert [row[0] for row in calibration_table[2:]] == [label for label, _ in found]
+    for row, (_, report) in zip(calibration_table[2:], found):
+        assert row[3] == f"{report['kv_fraction']:.1%}"
+    points = [(label, point) for label, report in found for point in (report.get("perplexity") or {}).get("points", [])]
+    assert len(sweep_table) - 2 == len(points) > 0
+    for row, (label, point) in zip(sweep_table[2:], points):
+        assert row[0] == label and row[5].startswith(f"{point['perplexity']:.2f} (")
+    attention = json.loads((folder / "attention.json").read_text())
+    assert [row[0] for row in attention_table[2:]] == [row["case"] for row in attention["results"]]
+    for link in IMAGE.findall(rendered):
+        assert (DOC_DIR / link).resolve().is_file(), link

@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--rate", type=float, default=0.3, help="removal rate of the adaptive ranks (default 0.3)")
     add("--calibration", type=Path, default=None,
         help="an FDC calibration of SmolLM2 (default: calibrate now, about a minute)")
-    add("--repeats", type=int, default=7)
+    add("--repeats", type=int, default=15)
     add("--out", default=RESULT_STEM, help="writes STEM.json and STEM.png")
 
 

@@ -101,6 +101,13 @@ def render(results_dir: Path, page_path: Path) -> str:
         documents.append((voted.name, sections.load(voted)))
         parts += ["## GVote: kept tokens and memory", sections.gvote_section(voted, page_path.parent)]
 
+    fdc_folder = results_dir / "fdc"
+    fdc_part = sections.fdc_section(fdc_folder, page_path.parent) if fdc_folder.is_dir() else ""
+    if fdc_part:
+        parts += ["## FDC: narrower heads", fdc_part]
+        documents += [(f"fdc/{path.name}", sections.load(path)) for path in sorted(fdc_folder.glob("*.json"))
+                      if "machine" in sections.load(path)]
+
     parts += ["## Machine and versions", sections.machine_section(documents), kvpress_versions(documents)]
     page = "\n\n".join(part for part in parts if part) + "\n"
     page_path.parent.mkdir(parents=True, exist_ok=True)

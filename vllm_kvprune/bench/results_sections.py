@@ -198,10 +198,9 @@ def throughput_targets(summary: Mapping[str, Any]) -> list[str]:
              + shown(summary.get("memory_bound_ratio_budget_512"), summary.get("memory_bound_target")),
              "nothing evicted, streaming vs none: "
              + shown(summary.get("overhead_ratio"), summary.get("overhead_target"))]
-    budget_free = throughput.budget_free_lines(summary.get("budget_free") or {})
-    if budget_free:  # a run of budget-free policies measures neither streaming target
-        lines = [line for line in lines if not line.endswith("not measured")] + budget_free
-    return lines
+    # A run of other policies (gvote, fdc) measures neither streaming target: say what it measured.
+    return ([line for line in lines if not line.endswith("not measured")]
+            + throughput.budget_free_lines(summary.get("budget_free") or {}))
 
 
 def throughput_section(paths: Sequence[Path], doc_dir: Path) -> str:
@@ -261,6 +260,87 @@ def gvote_section(path: Path, doc_dir: Path) -> str:
     notes = [gvote.decode_line(document["decode"])] if "decode" in document else []
     return file_section(f"gvote (`{Path(path).name}`)", document, setup,
                         markdown_table(*gvote.table(document["results"])), notes, path, doc_dir)
+
+
+# ---- fdc -------------------------------------------------------------------------------------
+FDC_CALIBRATIONS = (("fdc_calibration_random.json", "random tokens"), ("fdc_calibration_essays.json", "essays"),
+                    ("fdc_calibration_v_weights.json", "random tokens, V from the weights"),
+                    ("fdc_heldout_random.json", "random tokens (held-out text)"),
+                    ("fdc_heldout_essays.json", "essays (held-out text)"))
+
+
+def _percent(value: Any) -> str:
+    return MISSING if value is None else f"{value:.1%}"
+
+
+def fdc_calibration_table(found: Sequence[tuple[str, Mapping[str, Any]]]) -> str:
+    """One row per calibration report: what it kept at its rate and how its spectra spread."""
+    rows = []
+    for label, report in found:
+        compared = report.get("compared_with") or {}
+        rows.append([label, str(lookup(report, "settings", "tokens")), str(report.get("rate", MISSING)),
+                     _percent(report.get("kv_fraction")), f"{report.get('qk_rank_mean', 0):.1f}",
+                     f"{report.get('v_rank_mean', 0):.1f}", _percent(report.get("qk_max_singular_cv")),
+                     _percent(report.get("v_max_singular_cv")), _percent(compared.get("qk_subspace_overlap"))])
+    headers = ["calibration", "tokens", "rate", "KV kept", "mean rank Q/K", "mean rank V", "CV of largest σ Q/K",
+               "CV V", "Q/K subspace shared with random"]
+    return markdown_table(headers, rows)
+
+
+def fdc_perplexity_table(found: Sequence[tuple[str, Mapping[str, Any]]]) -> str:
+    """Perplexity through the compressed cache (the reference) at each rate, adaptive and
+    uniform ranks, against `none` on the same text."""
+    rows = []
+    for label, report in found:
+        sweep = report.get("perplexity")
+        if not sweep:
+            continue
+        text = f"{sweep.get('tokens')} tokens from {sweep.get('offset', 0)}"
+        for point in sweep.get("points", []):
+            rows.append([label, text, f"{point['rate']:g}", f"{sweep['none']:.2f}", _percent(point["kv_fraction"]),
+                         f"{point['perplexity']:.2f} ({point['perplexity'] / sweep['none']:.2f}x)",
+                         _percent(point["uniform_kv_fraction"]),
+                         f"{point['uniform_perplexity']:.2f} ({point['uniform_perplexity'] / sweep['none']:.2f}x)"])
+    headers = ["calibration", "essay text", "rate", "none", "KV kept", "perplexity", "uniform ranks: KV kept",
+               "perplexity"]
+    return markdown_table(headers, rows)
+
+
+def fdc_section(folder: Path, doc_dir: Path) -> str:
+    """FDC's calibrations (spectra, ranks, stability), perplexity through the cache, and the
+    reduced-space attention kernel against vLLM's."""
+    found = [(label, load(folder / name)) for name, label in FDC_CALIBRATIONS if (folder / name).is_file()]
+    parts = []
+    if found:
+        commands = "\n".join(f"- {label}: `{shown_command(lookup(report, 'machine', 'command', default=None))}`"
+                              for label, report in found)
+        parts += ["### FDC calibration (`results/fdc/`)", "Commands:", commands,
+                  "SmolLM2-135M-Instruct, fp32 Hugging Face reference; ranks from one removal rate (FDC Eq. 1); "
+                  "the CV is FDC's Tables 3/4 (spread of each head's largest singular value).",
+                  fdc_calibration_table(found),
+                  "Perplexity of essay text through the compressed cache (reference), adaptive ranks and every "
+                  "head at the mean ranks (the paper's ablation):", fdc_perplexity_table(found)]
+    served = folder / "throughput_fdc.json"
+    if served.is_file():
+        parts.append(throughput_section([served], doc_dir))
+    attention = folder / "attention.json"
+    if attention.is_file():
+        document = load(attention)
+        settings = document.get("settings", {})
+        rows = [[row["case"], f"{row['ms_per_layer']:.3f}", _percent(row["kv_kept"]), f"{row['vs_vllm_full']:.2f}x",
+                 f"{row['vs_ours_full']:.2f}x"] for row in document.get("results", [])]
+        summary = document.get("summary", {})
+        notes = [f"50% of the dims vs vLLM's kernel at full width: {summary.get('half_dims_vs_vllm_full', 0):.2f}x "
+                 f"(goal >= {summary.get('target', MISSING)}x)",
+                 f"LPT vs static schedule: {summary.get('lpt_vs_static_mixed', 0):.2f}x on mixed lengths, "
+                 f"{summary.get('lpt_vs_static_equal', 0):.2f}x on equal lengths"]
+        setup = (f"One decode step of all 30 layers of SmolLM2's shape, each over its own cache: "
+                 f"{settings.get('batch', MISSING)} sequences x {settings.get('seq_len', MISSING)} tokens, "
+                 f"{settings.get('dtype', MISSING)}, median of {settings.get('repeats', MISSING)}.")
+        parts.append(file_section("FDC decode attention (`fdc/attention.json`)", document, setup,
+                                  markdown_table(["case", "ms/layer", "KV kept", "vs vLLM full", "vs ours full"], rows),
+                                  notes, attention, doc_dir))
+    return "\n\n".join(parts)
 
 
 # ---- machine -----------------------------------------------------------------------------

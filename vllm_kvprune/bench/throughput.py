@@ -54,6 +54,7 @@ from vllm_kvprune.bench import common
 
 MEMORY_BOUND = "memory-bound"
 BUDGET_FREE = ("gvote",)  # choose their own memory per request: one case each, no budget
+KEEP_ALL = ("fdc",)  # keep every token, each narrower (the pool's bytes hold more blocks): one case
 MATCHED_POLICY = "h2o"  # also run at each budget-free policy's measured mean memory
 OVERHEAD = "overhead"
 TARGET_MEMORY_BOUND_RATIO = 2.0  # streaming (budget 512) over none, memory-bound
@@ -89,6 +90,7 @@ class EngineSettings:
     max_model_len: int
     max_num_seqs: int
     sinks: int
+    fdc: str | None = None  # FDC's calibration file (the `fdc` policy)
 
     def block_bytes(self) -> int:
         """Bytes of one KV block over all layers (K and V)."""
@@ -189,6 +191,8 @@ def build_llm(engine: EngineSettings, case: Case):
     )
     if case.policy in BUDGET_FREE:
         kwargs["additional_config"] = {"kv_policy": {"name": case.policy}}
+    elif case.policy in KEEP_ALL:
+        kwargs["additional_config"] = {"kv_policy": {"name": case.policy, "fdc": engine.fdc}}
     elif case.policy != "none":
         kwargs["additional_config"] = {
             "kv_policy": {"name": case.policy, "budget": case.budget, "sinks": engine.sinks}
@@ -390,10 +394,24 @@ def none_max_num_seqs(choice: str, workload: Workload, engine: EngineSettings) -
     return int(choice)
 
 
+def fdc_pool_blocks(engine: EngineSettings, pool_blocks: int) -> int:
+    """Blocks of FDC's narrowed spec that the bytes of `pool_blocks` full-width blocks hold."""
+    from vllm_kvprune.worker.fdc_layers import FdcLayers
+
+    layers = FdcLayers(engine.fdc, None)
+    return pool_blocks * layers.head_dim // layers.spec_head_size
+
+
 def plan_cases(args: argparse.Namespace, engine: EngineSettings) -> tuple[Case, ...]:
     bound = Workload(args.requests, args.prompt_tokens, args.gen_tokens, args.pool_blocks)
     cases = [Case(MEMORY_BOUND, "none", None, bound, none_max_num_seqs(args.none_max_seqs, bound, engine))]
     for policy in args.policies:
+        if policy in KEEP_ALL:
+            # Every token kept, like `none`, so it runs as many requests as fit whole (its best,
+            # see --none-max-seqs), in the narrower blocks the same bytes hold.
+            narrow = dataclasses.replace(bound, pool_blocks=fdc_pool_blocks(engine, bound.pool_blocks))
+            cases.append(Case(MEMORY_BOUND, policy, None, bound, none_max_num_seqs(args.none_max_seqs, narrow, engine)))
+            continue
         budgets = [None] if policy in BUDGET_FREE else args.budgets
         cases += [Case(MEMORY_BOUND, policy, budget, bound) for budget in budgets]
     if args.overhead_requests == 0:  # asked for the memory-bound cases only
@@ -418,8 +436,10 @@ def resolve_model(model: str) -> str:
 def build_plan(args: argparse.Namespace) -> Plan:
     engine = EngineSettings(
         model=resolve_model(args.model), dtype=args.dtype, block_size=args.block_size,
-        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, sinks=args.sinks,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, sinks=args.sinks, fdc=args.fdc,
     )
+    if "fdc" in args.policies and not args.fdc:
+        raise SystemExit("--policies fdc needs --fdc FILE (vllm-kvprune calibrate fdc MODEL --out FILE)")
     needed = min_pool_blocks(engine.max_model_len, engine.block_size)
     if args.pool_blocks < needed:
         raise SystemExit(
@@ -639,6 +659,10 @@ def plot_throughput(rows: list[dict[str, Any]], path: Path, title: str, block_si
                 axes.plot([held], [row["tokens_per_s"]], marker="*", markersize=12, linestyle="none",
                           label=f"{policy} (at the tokens it held)")
             continue
+        if policy in KEEP_ALL:  # no budget: a horizontal line, like `none`
+            for row in (row for row in bound if row["policy"] == policy):
+                axes.axhline(row["tokens_per_s"], color="tab:green", linestyle=":", label=f"{policy} (every token)")
+            continue
         points = sorted((row["budget"], row["tokens_per_s"]) for row in bound if row["policy"] == policy)
         budgets, speeds = zip(*points)
         axes.plot(budgets, speeds, marker="o", label=policy)
@@ -671,7 +695,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--gen-tokens", type=int, default=None, help=f"generated tokens per request ({full['gen_tokens']})")
     add("--budgets", type=int, nargs="+", default=None, help=f"budgets of each policy ({full['budgets']})")
     add("--policies", nargs="+", default=["streaming", "h2o", "paged_eviction"],
-        choices=("streaming", "h2o", "paged_eviction", *BUDGET_FREE),
+        choices=("streaming", "h2o", "paged_eviction", *BUDGET_FREE, *KEEP_ALL),
         help="policies of the memory-bound cases (default: the three budgeted ones); a budget-free "
              f"one ({', '.join(BUDGET_FREE)}) runs once, then {MATCHED_POLICY} runs at the mean "
              "blocks per request it measured (equal memory)")
@@ -684,6 +708,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "holds whole, so none never preempts (default); stock = --max-num-seqs, where vLLM "
              "admits everyone, then preempts and recomputes over and over (slow; --quick uses it)")
     add("--block-size", type=int, default=32)
+    add("--fdc", default=None, metavar="FILE",
+        help="FDC calibration of the model, for --policies fdc (vllm-kvprune calibrate fdc MODEL --out FILE)")
     add("--sinks", type=int, default=4)
     add("--overhead-requests", type=int, default=None,
         help=f"requests of the overhead cases; 0 leaves them out ({full['overhead_requests']})")

@@ -126,7 +126,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                v_source=args.v_source)
     result.save(args.out)
     print(fdc.describe(result))
-    report = {"settings": result.settings, **fdc.spectrum_summary(result)}
+    from vllm_kvprune.bench.common import machine_info
+
+    report = {"settings": result.settings, "machine": machine_info(), **fdc.spectrum_summary(result)}
     if args.compare is not None:
         other = fdc.load(args.compare, model)
         report["compared_with"] = {
