@@ -42,6 +42,7 @@ class FdcLayers:
         widest = max(layer.heads.row_width for layer in self.layers)
         granule = 2 * self.num_kv_heads
         self.padded_width = math.ceil(widest / granule) * granule
+        self._query_rotations: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @staticmethod
     def _layer(calibration: fdc.FdcCalibration, index: int) -> FdcLayer:
@@ -79,13 +80,22 @@ class FdcLayers:
         """Attention of queries `[T, Hq, d]` in the reduced space; returns `[T, Hq, d]` fp32."""
         fdc_layer = self.layers[layer]
         group = query.shape[1] // self.num_kv_heads
-        rotation = fdc_layer.qk_rotation.repeat_interleave(group, dim=0)  # [Hq, d, k]
-        reduced = torch.einsum("tqd,qdk->tqk", query.float(), rotation)
+        query_rotation, output_rotation = self._per_query_head(layer, group)
+        reduced = torch.einsum("tqd,qdk->tqk", query.float(), query_rotation)
         cache = blocks_of(kv_cache)
         out = reduced_attention(reduced.to(cache.dtype), cache, block_table, query_start_loc, seq_lens,
                                 fdc_layer.heads, scale, fdc_layer.v_rotation.shape[-1], block_size=block_size)
-        back = fdc_layer.v_rotation.repeat_interleave(group, dim=0)  # [Hq, d, k_v]
-        return torch.einsum("tqk,qdk->tqd", out, back)
+        return torch.einsum("tqk,qdk->tqd", out, output_rotation)
+
+    def _per_query_head(self, layer: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each query head's copy of its KV head's Q/K and V rotations (`[Hq, d, k]`), made once."""
+        cached = self._query_rotations.get(layer)
+        if cached is None:
+            fdc_layer = self.layers[layer]
+            cached = (fdc_layer.qk_rotation.repeat_interleave(group, dim=0).contiguous(),
+                      fdc_layer.v_rotation.repeat_interleave(group, dim=0).contiguous())
+            self._query_rotations[layer] = cached
+        return cached
 
 
 
