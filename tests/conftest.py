@@ -21,6 +21,18 @@ VENV_BIN = Path(sys.executable).parent
 BLOCK_SIZE = 32
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny matrices: one thread is fastest and leaves the other core alone. A module opts in
+    with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> str:
     from vllm_kvprune import assets

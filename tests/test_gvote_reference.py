@@ -38,13 +38,7 @@ VOCAB = 512
 PROMPT = 60
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # tiny matrices: one thread is fastest and leaves the other core alone
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny matrices (conftest)
 
 
 def _finish(model):

@@ -40,13 +40,7 @@ VOCAB = 512
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # tiny matrices: one thread is fastest and immune to other jobs on the 2 cores
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny matrices (conftest)
 
 
 def make_tiny_model(seed: int = 0) -> LlamaForCausalLM:

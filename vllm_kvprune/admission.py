@@ -69,7 +69,7 @@ def memory_hint(policy: KVPolicyConfig, block_size: int, max_model_len: int) -> 
     if not policy.active:
         return None
     needed = policy.peak_blocks(block_size, max_model_len)
-    remedy = "lower --max-model-len" if policy.reports_footprint or policy.name == "fdc" else "lower --kv-budget"
+    remedy = "lower --max-model-len" if policy.uncapped else "lower --kv-budget"
     return (f"kv_policy {policy.name}: one request needs {needed} KV blocks of {block_size} tokens at once "
             f"({_explain(policy, block_size)}) and the KV pool cannot hold them; {remedy}"
             + (" or --kv-prefill-chunk" if policy.prefill == "streaming" else "")

@@ -30,6 +30,8 @@ ADDITIONAL_CONFIG_KEY = "kv_policy"
 # Policies whose footprint the worker learns from the data and reports to the scheduler
 # (per-head kept lengths in head-pages); they have no budget and no fixed cap.
 FOOTPRINT_POLICIES = ("gvote",)
+# Policies that keep every token (FDC narrows each one instead): no budget, no cap.
+KEEP_ALL_POLICIES = ("fdc",)
 # Per-request override keys (SamplingParams.extra_args / OpenAI vllm_xargs) -> config field.
 REQUEST_KEYS = {"kv_budget": "budget", "kv_sinks": "sinks", "kv_window": "window", "kv_recent": "recent",
                 "kv_gvote_p": "gvote_p", "kv_gvote_samples": "gvote_samples"}
@@ -255,6 +257,11 @@ class KVPolicyConfig:
 
     # ---- capacity (the same pure function on scheduler and worker) ------------------
     @property
+    def uncapped(self) -> bool:
+        """Whether nothing bounds a request's blocks below `max_model_len` (no budget)."""
+        return self.reports_footprint or self.name in KEEP_ALL_POLICIES
+
+    @property
     def reports_footprint(self) -> bool:
         """Whether the worker tells the scheduler what each request needs (no fixed cap)."""
         return self.name in FOOTPRINT_POLICIES
@@ -290,7 +297,7 @@ class KVPolicyConfig:
         never more than `max_model_len` tokens need. A pool with this many usable blocks
         always serves the request, however long it waits for others to finish."""
         whole_model_len = -(-max_model_len // block_size)
-        if self.reports_footprint or self.name == "fdc":
+        if self.uncapped:
             # Nothing bounds what a voted request keeps (its prompt and outputs, at most);
             # FDC keeps every token, each narrower (the blocks are narrower, not fewer).
             return whole_model_len

@@ -105,8 +105,8 @@ def render(results_dir: Path, page_path: Path) -> str:
     fdc_part = sections.fdc_section(fdc_folder, page_path.parent) if fdc_folder.is_dir() else ""
     if fdc_part:
         parts += ["## FDC: narrower heads", fdc_part]
-        documents += [(f"fdc/{path.name}", sections.load(path)) for path in sorted(fdc_folder.glob("*.json"))
-                      if "machine" in sections.load(path)]
+        loaded = [(f"fdc/{path.name}", sections.load(path)) for path in sorted(fdc_folder.glob("*.json"))]
+        documents += [(name, document) for name, document in loaded if "machine" in document]
 
     parts += ["## Machine and versions", sections.machine_section(documents), kvpress_versions(documents)]
     page = "\n\n".join(part for part in parts if part) + "\n"

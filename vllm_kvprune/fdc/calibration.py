@@ -28,9 +28,9 @@ Choices the paper leaves open (docs/FDC.md):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
-import math
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -158,7 +158,14 @@ def model_shape(config: dict) -> tuple[int, int, int]:
 
 def model_fingerprint(model_dir: str | Path) -> str:
     """SHA-256 of the q/k/v projection weights as stored in the model folder's safetensors
-    files: what the rotations were fitted to (the HF reference and vLLM read the same files)."""
+    files: what the rotations were fitted to (the HF reference and vLLM read the same files).
+    Computed once per folder and process: the front end checks a calibration at several
+    points of start-up, and an in-process engine's worker once more."""
+    return _fingerprint(str(Path(model_dir).resolve()))
+
+
+@functools.lru_cache(maxsize=8)
+def _fingerprint(model_dir: str) -> str:
     from safetensors import safe_open
 
     digest = hashlib.sha256()
@@ -379,7 +386,3 @@ def describe(calibration: FdcCalibration) -> str:
         lines.append(f"  layer {layer:>2}: {' '.join(f'{r:>3}' for r in qk)} | {' '.join(f'{r:>3}' for r in v)}")
     return "\n".join(lines)
 
-
-def expected_kv_tokens_ratio(calibration: FdcCalibration) -> float:
-    """Tokens a fixed pool holds under FDC over `none` with per-head packed widths."""
-    return 1.0 / calibration.kv_fraction() if calibration.kv_fraction() else math.inf
