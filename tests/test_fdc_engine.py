@@ -132,3 +132,21 @@ def test_real_model_matches_the_reference(real_model, tmp_path) -> None:
         assert list(completion.token_ids) == expected.token_ids
         logprobs = [completion.logprobs[i][token].logprob for i, token in enumerate(completion.token_ids)]
         assert max(abs(a - b) for a, b in zip(logprobs, expected.logprobs)) < 1e-3
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+def test_other_architectures_match_the_reference(name: str, tmp_path) -> None:
+    """Tiny random Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms), fp32."""
+    from vllm_kvprune.model_zoo import zoo_model_dir
+    from vllm_kvprune.reference.model import load_reference_model
+
+    model = str(zoo_model_dir(name))
+    calibration = fdc.calibrate(model, tokens=256, seq_len=128, seed=0, rate=0.1)
+    assert (calibration.qk_rank < calibration.head_dim).any()
+    path = tmp_path / f"{name}.safetensors"
+    calibration.save(path)
+    with engine(model, {"name": "fdc", "fdc": str(path)}, kv_blocks=160) as llm:
+        results = _generate(llm)
+    reference = load_reference_model(model)
+    _assert_matches(results, [FdcReference(reference, calibration).generate(prompt, NEW_TOKENS, prompt_logprobs=False)
+                              for prompt in PROMPTS])

@@ -250,6 +250,16 @@ def test_calibrate_command_writes_a_file_and_a_report(tiny_file, tmp_path) -> No
     assert "KV cache at" in done.stdout
 
 
+def test_calibrate_command_refuses_an_architecture_the_reference_does_not_reproduce(tmp_path) -> None:
+    from vllm_kvprune.model_zoo import zoo_model_dir
+
+    phi = zoo_model_dir("phi")  # partial rotary embedding, parallel attention/MLP
+    done = _calibrate("fdc", str(phi), "--out", str(tmp_path / "phi.safetensors"), "--tokens", "64")
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "argument MODEL: model type 'phi' is not supported" in done.stderr, done.stderr
+    assert not (tmp_path / "phi.safetensors").exists()
+
+
 @pytest.mark.parametrize("args, named", [
     (["fdc", "MODEL_DIR"], "--out"),
     (["fdc", "MODEL_DIR", "--out", "OUT", "--rate", "1.5"], "--rate"),

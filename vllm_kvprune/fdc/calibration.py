@@ -41,11 +41,26 @@ DEFAULT_TOKENS = 8192
 DEFAULT_SEQ_LEN = 2048
 DEFAULT_RATE = 0.1
 V_SOURCES = ("values", "weights")  # where V's rotation comes from (docs/FDC.md: why values)
+# Architectures the reference forward (`reference/model.py`: Llama-style decoder, full RoPE,
+# optional per-head q/k norms) reproduces, checked against vLLM's `fdc` engine in the tests.
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 _WEIGHT_SUFFIXES = (".self_attn.q_proj.weight", ".self_attn.k_proj.weight", ".self_attn.v_proj.weight")
 
 
 class FdcFileError(ValueError):
     """A calibration file that cannot be used (unreadable, wrong format, another model)."""
+
+
+class UnsupportedModelError(ValueError):
+    """A model whose queries and keys the reference forward would not reproduce."""
+
+
+def check_supported(config: dict) -> None:
+    """Refuse, in one line, an architecture the calibration cannot fit faithfully."""
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(f"model type {model_type!r} is not supported by FDC's calibration "
+                                    f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
 
 
 @dataclasses.dataclass
@@ -299,6 +314,7 @@ def calibrate(model_dir: str | Path, *, tokens: int = DEFAULT_TOKENS, seq_len: i
     from vllm_kvprune.reference.model import load_reference_model
 
     config = json.loads((Path(model_dir) / "config.json").read_text())
+    check_supported(config)
     if sequences is None:
         sequences = random_sequences(config["vocab_size"], tokens, seq_len, seed)
     model = load_reference_model(str(model_dir), dtype=torch.float32)
