@@ -117,6 +117,16 @@ def vec_layout(dtype: torch.dtype, block_size: int, head_size: int, isa: str = "
     return CacheLayout(dtype, block_size, head_size, isa, key_offsets, value_offsets, tiling)
 
 
+def gpu_layout(dtype: torch.dtype, block_size: int, head_size: int) -> CacheLayout:
+    """The layout of vLLM's GPU backends (``TRITON_ATTN``, ``FLASH_ATTN``) for a contiguous (HND)
+    cache: token ``o`` of a page holds its K then its V, ``[2 * head_size]`` contiguous. With it
+    the torch references of this package serve the Triton kernels too."""
+    token = torch.arange(block_size).view(block_size, 1) * 2 * head_size
+    dim = torch.arange(head_size).view(1, head_size)
+    return CacheLayout(dtype, block_size, head_size, "gpu", (token + dim).contiguous(),
+                       (token + head_size + dim).contiguous(), None)
+
+
 def detect_tiling(key_offsets: torch.Tensor, value_offsets: torch.Tensor) -> tuple[int, int, int, int] | None:
     """The tiling parameters that reproduce both maps exactly, or None (irregular layout)."""
     block_size, head_size = key_offsets.shape
