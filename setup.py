@@ -1,9 +1,10 @@
-"""Builds the optional C++ extension `vllm_kvprune._C`; all metadata lives in pyproject.toml.
+"""Builds the optional C++ extension `vllm_kvprune._C` and, with a CUDA or ROCm torch and its
+compiler, the GPU slot ops `vllm_kvprune._cuda_C`; all metadata lives in pyproject.toml.
 
 Install with `pip install --no-build-isolation -e .`: an isolated build environment would
 download the registry's newest (CUDA) torch instead of compiling against the installed one.
 Environment knobs:
-  VLLM_KVPRUNE_NO_EXT=1        skip the extension (the package falls back to torch ops)
+  VLLM_KVPRUNE_NO_EXT=1        skip the extensions (the package falls back to torch ops)
   VLLM_KVPRUNE_CPU_ISA=X       force X in {avx512, avx2, generic} instead of reading
                                /proc/cpuinfo (e.g. to build on one machine for another)
 """
@@ -19,6 +20,7 @@ from setuptools import setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CPU_SOURCE_DIR = os.path.join("csrc", "cpu")
+CUDA_SOURCE_DIR = os.path.join("csrc", "cuda")
 
 ISA_COMPILE_ARGS: dict[str, list[str]] = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"],
@@ -90,7 +92,38 @@ def extension_build() -> dict:
         extra_compile_args=compile_args(isa, flags),
         extra_link_args=["-fopenmp"],
     )
-    return {"ext_modules": [extension], "cmdclass": {"build_ext": BuildExtension}}
+    return {"ext_modules": [extension, *gpu_extensions()], "cmdclass": {"build_ext": BuildExtension}}
+
+
+def gpu_extensions() -> list:
+    """`vllm_kvprune._cuda_C` when torch is a CUDA (or ROCm) build and its compiler is found
+    (nvcc under CUDA_HOME, or ROCM_HOME; hipify turns the .cu into HIP), else none and one
+    line saying why."""
+    import torch
+    from torch.utils import cpp_extension
+
+    if torch.version.cuda is not None:
+        toolkit, home, compiler, home_variable = "CUDA", cpp_extension.CUDA_HOME, "nvcc", "CUDA_HOME"
+    elif torch.version.hip is not None:
+        toolkit, home, compiler, home_variable = "ROCm", cpp_extension.ROCM_HOME, "hipcc", "ROCM_HOME"
+    else:
+        _log(f"skipping vllm_kvprune._cuda_C: torch {torch.__version__} is built for neither CUDA nor ROCm")
+        return []
+    if home is None or not os.path.isfile(os.path.join(home, "bin", compiler)):
+        _log(f"skipping vllm_kvprune._cuda_C: torch is a {toolkit} build but {compiler} was not found "
+             f"(set {home_variable}; {home_variable}={home})")
+        return []
+    sources = sorted(
+        os.path.relpath(path, ROOT)
+        for pattern in ("*.cu", "*.cpp")
+        for path in glob.glob(os.path.join(ROOT, CUDA_SOURCE_DIR, pattern))
+    )
+    _log(f"building vllm_kvprune._cuda_C for {toolkit} ({home}) from {len(sources)} sources")
+    return [cpp_extension.CUDAExtension(
+        name="vllm_kvprune._cuda_C",
+        sources=sources,
+        extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3"]},
+    )]
 
 
 setup(**extension_build())

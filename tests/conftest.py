@@ -174,3 +174,25 @@ def kvpress_venv():
                     f"{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
     print(f"kvpress venv ready in {time.perf_counter() - started:.1f} s: {done.stdout.strip().splitlines()[-1]}")
     return kvpress_runner.kvpress_python()
+
+
+def pytest_collection_finish(session) -> None:
+    """Collection imported the Triton tests with TRITON_INTERPRET=1 (tests/triton_setup.py);
+    take it away so engines started by other tests do not inherit it."""
+    setup = sys.modules.get("triton_setup")
+    if setup is not None and setup.INTERPRET_SET_HERE:
+        os.environ.pop("TRITON_INTERPRET", None)
+
+
+@pytest.fixture(autouse=True)
+def _triton_interpreter(request):
+    """Triton's interpreter for the `triton`-marked tests (kernel launches read the variable)."""
+    setup = sys.modules.get("triton_setup")
+    if request.node.get_closest_marker("triton") is None or setup is None or not setup.INTERPRET_SET_HERE:
+        yield
+        return
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop("TRITON_INTERPRET", None)

@@ -1,11 +1,16 @@
 """Imported first by the Triton kernel tests: they run on CUDA where there is a GPU, else in
 Triton's interpreter on CPU. They use no conftest fixture and never import vLLM, so on a GPU
-machine without vLLM they run as `pytest -m triton --noconftest tests/`."""
+machine without vLLM they run as `pytest -m triton --noconftest tests/`.
+
+Triton reads ``TRITON_INTERPRET`` when a kernel is decorated (at import) and again at its first
+launch; conftest takes the variable away again after collection and sets it around each
+``triton``-marked test only, so the engines other tests start never see it."""
 
 import os
 
 import torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated and launched
+INTERPRET_SET_HERE = DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"
+if INTERPRET_SET_HERE:
+    os.environ["TRITON_INTERPRET"] = "1"

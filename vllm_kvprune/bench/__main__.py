@@ -14,6 +14,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "worker_memory",
     "gvote",
     "fdc_attention",
+    "gpu_kernels",
     "accuracy",
     "results_page",
 )

@@ -171,3 +171,56 @@ def _check_tokens(tokens: torch.Tensor, name: str, kv_cache: torch.Tensor, num_t
         raise ValueError(f"{name} must be {list(expected)} (T, num_kv_heads, head_size), got {list(tokens.shape)}")
     if tokens.dtype != kv_cache.dtype:
         raise ValueError(f"{name} dtype {tokens.dtype} differs from kv_cache dtype {kv_cache.dtype}")
+
+
+def head_page_attention_reference(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layout: CacheLayout,
+    pages: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    output: torch.Tensor,
+    softcap: float = 0.0,
+) -> None:
+    """Decode attention where each (request n, KV head h) is its own sequence of
+    ``lengths[n, h]`` tokens in head-pages: token ``j`` is offset ``j % block_size`` of head-page
+    ``pages[n, h, j // block_size]`` (head-page ``p`` = KV head ``p % H`` of block ``p // H``;
+    -1 pads past the used pages). Query heads ``h * G .. h * G + G - 1`` of ``query [N, Hq, D]``
+    attend head (n, h); ``output [N, Hq, D]`` is written (zeros for length 0). One head at a
+    time, in fp32; ``softcap > 0`` caps the scaled logits to ``softcap * tanh(logits / softcap)``.
+    Reads through the head-page view ``[num_blocks * H, 1, block_size, 2D]`` with ``read_slots``.
+    """
+    num_requests, query_heads, head_size = query.shape
+    num_blocks, num_heads, block_size, two_head_size = kv_cache.shape
+    if query_heads % num_heads or head_size != layout.head_size:
+        raise ValueError(
+            f"query {list(query.shape)} does not fit a cache of {num_heads} KV heads, head_size {layout.head_size}"
+        )
+    if output.shape != query.shape:
+        raise ValueError(f"output must be {list(query.shape)}, got {list(output.shape)}")
+    if pages.dim() != 3 or tuple(pages.shape[:2]) != (num_requests, num_heads):
+        raise ValueError(f"pages must be [{num_requests}, {num_heads}, max_pages], got {list(pages.shape)}")
+    if tuple(lengths.shape) != (num_requests, num_heads):
+        raise ValueError(f"lengths must be [{num_requests}, {num_heads}], got {list(lengths.shape)}")
+    group = query_heads // num_heads
+    head_page_cache = kv_cache.view(num_blocks * num_heads, 1, block_size, two_head_size)
+    for n in range(num_requests):
+        for h in range(num_heads):
+            heads_of_group = slice(h * group, (h + 1) * group)
+            length = int(lengths[n, h])
+            if not 0 <= length <= pages.shape[2] * block_size:
+                raise ValueError(f"lengths[{n}, {h}] = {length} exceeds the {pages.shape[2]} head-pages of pages")
+            if length == 0:
+                output[n, heads_of_group] = 0
+                continue
+            tokens = torch.arange(length)
+            head_pages = pages[n, h].to(torch.int64)[tokens // block_size]
+            if int(head_pages.min()) < 0 or int(head_pages.max()) >= num_blocks * num_heads:
+                raise ValueError(f"pages[{n}, {h}] holds an invalid head-page among its first {length} tokens")
+            key, value = read_slots(head_page_cache, head_pages * block_size + tokens % block_size, layout)
+            key, value = key[:, 0].float(), value[:, 0].float()  # [length, D]
+            logits = scale * query[n, heads_of_group].float() @ key.T  # [G, length]
+            if softcap > 0:
+                logits = softcap * torch.tanh(logits / softcap)
+            output[n, heads_of_group] = (torch.softmax(logits, dim=-1) @ value).to(output.dtype)
