@@ -198,3 +198,19 @@ def test_fdc_section_shows_every_calibration_and_sweep_point() -> None:
     assert [row[0] for row in attention_table[2:]] == [row["case"] for row in attention["results"]]
     for link in IMAGE.findall(rendered):
         assert (DOC_DIR / link).resolve().is_file(), link
+
+
+def test_gpu_section_shows_every_timed_kernel_and_its_gpu(tmp_path: Path) -> None:
+    path = RESULTS / "gpu" / "kernels.json"
+    document = json.loads(path.read_text())
+    text = sections.gpu_section(path, DOC_DIR)
+    assert document["machine"]["gpu"] in text
+    body = tables(text)[0][2:]
+    assert len(body) == len(document["results"])
+    for cells, row in zip(body, document["results"]):
+        assert cells[:3] == [row["case"], row["candidate"], f"{row['ms']:.4f}"]
+    # An interpreter run times nothing: no section from it.
+    interpreted = copy.deepcopy(document)
+    interpreted["machine"]["interpreter"] = True
+    (tmp_path / "kernels.json").write_text(json.dumps(interpreted))
+    assert sections.gpu_section(tmp_path / "kernels.json", DOC_DIR) == ""

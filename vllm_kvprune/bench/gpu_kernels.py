@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -399,6 +400,8 @@ def machine(device: str) -> dict[str, Any]:
 
     info = {"device": device, "torch": torch.__version__, "triton": triton.__version__,
             "python": platform.python_version(), "interpreter": device == "cpu",
+            "command": ["python3", "-m", "vllm_kvprune.bench.gpu_kernels",
+                        *[arg for arg in sys.argv[1:] if arg != NAME]],
             "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if device == "cuda":
         properties = torch.cuda.get_device_properties(0)

@@ -108,6 +108,11 @@ def render(results_dir: Path, page_path: Path) -> str:
         loaded = [(f"fdc/{path.name}", sections.load(path)) for path in sorted(fdc_folder.glob("*.json"))]
         documents += [(name, document) for name, document in loaded if "machine" in document]
 
+    gpu_kernels = results_dir / "gpu" / "kernels.json"
+    gpu_part = sections.gpu_section(gpu_kernels, page_path.parent) if gpu_kernels.is_file() else ""
+    if gpu_part:
+        parts += ["## GPU kernels", gpu_part]
+
     parts += ["## Machine and versions", sections.machine_section(documents), kvpress_versions(documents)]
     page = "\n\n".join(part for part in parts if part) + "\n"
     page_path.parent.mkdir(parents=True, exist_ok=True)

@@ -377,3 +377,42 @@ def machine_section(documents: Sequence[tuple[str, Mapping[str, Any]]]) -> str:
                    if lookup(document, "machine", "time_utc") != MISSING)
     span = f"{times[0]} to {times[-1]}" if times else MISSING
     return f"{len(documents)} result files, measured {span} (UTC).\n\n" + markdown_table(["", "value"], rows)
+
+
+# ---- GPU kernels -----------------------------------------------------------------------------
+GPU_COMMAND = "PYTHONPATH=. python3 -m vllm_kvprune.bench.gpu_kernels"
+
+
+def gpu_section(path: Path, doc_dir: Path) -> str:
+    """The Triton kernels against plain torch on the GPU they ran on, and the kernel tests there."""
+    document = load(path)
+    machine = document.get("machine", {})
+    if machine.get("interpreter"):
+        return ""  # an interpreter run checks the script, it times nothing
+    shapes = document.get("shapes", {})
+    setup = (f"{machine.get('gpu', MISSING)} ({machine.get('multiprocessors', MISSING)} SMs), torch "
+             f"{machine.get('torch', MISSING)}, Triton {machine.get('triton', MISSING)}, {document.get('dtype')}; "
+             f"batch {shapes.get('batch')}, {shapes.get('kv_heads')} KV heads x {shapes.get('group')} query heads each, "
+             f"head size {shapes.get('head_dim')}, {shapes.get('seq_len')} tokens per request, block size "
+             f"{shapes.get('block_size')}. Median of Triton's `do_bench` (CUDA events), host overhead included; "
+             "each candidate checked against the torch computation of its case first (max |error|).")
+    rows = [[row["case"], row["candidate"], f"{row['ms']:.4f}",
+             MISSING if row.get("speedup_vs_torch") is None else f"{row['speedup_vs_torch']:.2f}x",
+             "" if row.get("max_abs_error") is None else f"{row['max_abs_error']:.1e}"]
+            for row in document["results"]]
+    table = markdown_table(["case", "candidate", "ms", "vs torch", "max abs error"], rows)
+    notes = []
+    tests = Path(path).with_name("pytest_h100.txt")
+    if tests.is_file():
+        passed = re.search(r"(\d+) passed", tests.read_text())
+        if passed:
+            notes.append(f"Kernel tests on that GPU (`pytest -m triton --noconftest`, every kernel against its "
+                         f"torch reference on CUDA tensors): {passed.group(1)} passed (`{tests.name}`).")
+    command = shown_command(machine.get("command")) if machine.get("command") else GPU_COMMAND
+    parts = [f"### Triton kernels on {machine.get('gpu', 'a GPU')} (`{Path(path).name}`)",
+             f"Command (on the GPU machine, which has PyTorch and Triton but not vLLM): `{command}`",
+             setup, table, "\n".join(f"- {note}" for note in notes)]
+    image = plot_link(path, doc_dir)
+    if image:
+        parts.append(image)
+    return "\n\n".join(part for part in parts if part)
