@@ -95,11 +95,14 @@ def test_yaml(tmp_path):
         load_yaml(tmp_path / "missing.yaml")
 
 
-@pytest.mark.parametrize("name", ["none", "streaming", "streaming-endless", "h2o", "paged_eviction", "gvote", "fdc"])
+@pytest.mark.parametrize("name", ["none", "streaming", "streaming-endless", "h2o", "paged_eviction", "gvote", "fdc",
+                                  "streaming-fdc"])
 def test_presets_are_valid(name):
     from pathlib import Path
 
-    assert load_yaml(Path(__file__).parent.parent / "configs" / f"{name}.yaml").name in name.replace("-endless", "")
+    preset = load_yaml(Path(__file__).parent.parent / "configs" / f"{name}.yaml")
+    assert preset.name in name.replace("-endless", "").replace("-fdc", "")
+    assert (preset.fdc is not None) == ("fdc" in name)
 
 
 def test_additional_config_forms():

@@ -6,7 +6,10 @@
 - the pool: vLLM's KV-cache spec reports the narrowed per-token size, so the same bytes hold
   proportionally more blocks (counted from the engine's own pool);
 - per-request overrides of a budget are refused; a calibration of another model is refused
-  before the engine starts, naming the setting.
+  before the engine starts, naming the setting;
+- `streaming` with `fdc` (FDC's "KF-F"): the streaming reference given FDC's head transform,
+  token for token, with the prompt pruned after it (`prefill: full`) or while it streams in;
+  the pool holds the narrow blocks and each request at most the streaming cap of them.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ import torch
 from conftest import engine, make_llm, page_bytes, scheduler_of
 
 from vllm_kvprune.fdc import calibration as fdc
-from vllm_kvprune.reference.fdc import FdcReference
+from vllm_kvprune.reference.fdc import FdcReference, FdcTransform
 from vllm_kvprune.reference.model import BudgetedReference
+from vllm_kvprune.reference.streaming import StreamingLLMReference
 
 pytestmark = pytest.mark.slow
 
@@ -150,3 +154,23 @@ def test_other_architectures_match_the_reference(name: str, tmp_path) -> None:
     reference = load_reference_model(model)
     _assert_matches(results, [FdcReference(reference, calibration).generate(prompt, NEW_TOKENS, prompt_logprobs=False)
                               for prompt in PROMPTS])
+
+
+@pytest.mark.parametrize("prefill", ["full", "streaming"])
+def test_streaming_with_fdc_matches_the_reference(prefill, tiny_model, calibrations, reference_model,
+                                                  adaptive_run) -> None:
+    path, calibration = calibrations["adaptive"]
+    streaming = {"name": "streaming", "budget": 48, "sinks": 4, "prefill": prefill, "prefill_chunk": 32}
+    with engine(tiny_model, {**streaming, "fdc": path}, kv_blocks=KV_BLOCKS) as llm:
+        manager = scheduler_of(llm).kv_cache_manager
+        pool_blocks = manager.block_pool.num_gpu_blocks
+        results = _generate(llm)
+        held_after = manager.block_pool.get_num_free_blocks()
+    assert pool_blocks == adaptive_run[1]  # the same narrow blocks as fdc alone
+    assert held_after == pool_blocks - 1  # every block back (vLLM keeps its null block)
+    references = [StreamingLLMReference(reference_model, budget=48, sinks=4, prefill=prefill, prefill_chunk=32,
+                                        head_transform=FdcTransform(calibration))
+                  .generate(prompt, NEW_TOKENS, prompt_logprobs=False) for prompt in PROMPTS]
+    # The prompts outgrow the budget (60 and 100 tokens) or their generation does (40 + 10).
+    assert all(len(prompt) + NEW_TOKENS > 48 for prompt in PROMPTS)
+    _assert_matches(results, references)

@@ -32,6 +32,17 @@ ADDITIONAL_CONFIG_KEY = "kv_policy"
 FOOTPRINT_POLICIES = ("gvote",)
 # Policies that keep every token (FDC narrows each one instead): no budget, no cap.
 KEEP_ALL_POLICIES = ("fdc",)
+# Eviction policies FDC's narrow heads compose with (`--kv-fdc FILE` beside them), and why the
+# others do not: each needs something of the full-width cache that the reduced one lacks.
+FDC_COMPOSABLE = ("fdc", "streaming")
+FDC_REFUSALS = {
+    "none": "a calibration without eviction is --kv-policy fdc",
+    "h2o": "h2o's attention mass would have to come from the reduced-space kernel, which does not compute it",
+    "paged_eviction": "paged_eviction scores tokens by their full-width key and value norms, which the narrow "
+                      "write path does not keep",
+    "gvote": "gvote's per-head lengths (head-pages) and FDC's per-head widths (packed rows) are two layouts "
+             "that are not combined",
+}
 # Per-request override keys (SamplingParams.extra_args / OpenAI vllm_xargs) -> config field.
 REQUEST_KEYS = {"kv_budget": "budget", "kv_sinks": "sinks", "kv_window": "window", "kv_recent": "recent",
                 "kv_gvote_p": "gvote_p", "kv_gvote_samples": "gvote_samples"}
@@ -209,19 +220,26 @@ class KVPolicyConfig:
         return self.budget - self.sinks
 
     def _check_fdc(self, name_of) -> None:
-        """FDC narrows heads and keeps every token; composing it with eviction is not built."""
-        if self.name != "fdc":
-            raise KVConfigError(name_of("fdc"), f"composing FDC with {self.name} is not built yet; "
-                                "use --kv-policy fdc")
+        """FDC narrows heads: alone (`fdc`, every token kept) or under `streaming`'s eviction."""
+        if self.name not in FDC_COMPOSABLE:
+            why = FDC_REFUSALS.get(self.name, "not built")
+            raise KVConfigError(name_of("fdc"), f"FDC does not compose with {self.name}: {why}; it composes "
+                                "with streaming, or runs alone as --kv-policy fdc")
         if not isinstance(self.fdc, (str, Path)) or not str(self.fdc):
-            raise KVConfigError(name_of("fdc"), "policy 'fdc' needs a calibration file "
+            who = "policy 'fdc'" if self.name == "fdc" else f"{self.name} with FDC"
+            raise KVConfigError(name_of("fdc"), f"{who} needs a calibration file "
                                 "(make one with: vllm-kvprune calibrate fdc MODEL --out FILE)")
-        if self.budget is not None or self.window is not None:
+        if self.name == "fdc" and (self.budget is not None or self.window is not None):
             given = "budget" if self.budget is not None else "window"
             raise KVConfigError(name_of(given), "policy 'fdc' keeps every token; remove it")
         if self.positions != "original":
-            raise KVConfigError(name_of("positions"), "policy 'fdc' supports only 'original' (keys are "
-                                "projected after RoPE and are never rotated again)")
+            raise KVConfigError(name_of("positions"), f"policy {self.name!r} with FDC supports only 'original' "
+                                "(keys are projected after RoPE and are never rotated again)")
+
+    @property
+    def narrow_heads(self) -> bool:
+        """FDC's calibration narrows the cached heads (`fdc`, or an eviction policy with `fdc`)."""
+        return self.fdc is not None
 
     def _resolved_budget(self, name_of) -> int:
         if self.budget is None and self.window is None:

@@ -131,7 +131,8 @@ def _add_kv_flags(parser):
     group.add_argument("--kv-gvote-seed", type=str, default=None, metavar="SEED",
                        help="gvote: seed of the synthetic queries (default 0).")
     group.add_argument("--kv-fdc", type=str, default=None, metavar="FILE",
-                       help="fdc: calibration file of the model (vllm-kvprune calibrate fdc MODEL --out FILE).")
+                       help="FDC calibration file of the model (vllm-kvprune calibrate fdc MODEL --out FILE): "
+                            "narrower KV heads, alone (--kv-policy fdc) or under --kv-policy streaming.")
     group.add_argument("--kv-config", type=str, default=None, metavar="FILE.yaml",
                        help="YAML file of KV policy settings; --kv-* flags override it.")
     return parser
@@ -221,9 +222,9 @@ def _prepare_engine_args(engine_args) -> KVPolicyConfig | None:
             f"kv_policy {policy.name!r} cannot run with speculative decoding: a multi-token "
             "decode step would attend over evicted slots; remove --speculative-config"
         )
-    if policy.name == "fdc" and not engine_args.enforce_eager:
+    if policy.narrow_heads and not engine_args.enforce_eager:
         # Only the eager path is tested with FDC's projections around the attention so far.
-        logger.info("kvprune: fdc runs the model eagerly (--enforce-eager)")
+        logger.info("kvprune: %s with fdc runs the model eagerly (--enforce-eager)", policy.name)
         engine_args.enforce_eager = True
     if policy.name == "gvote" and not engine_args.enforce_eager:
         # The vote reads each layer's query-projection input through a module hook, which a
@@ -332,7 +333,8 @@ def __getattr__(name: str):
 # ---- engine core and worker --------------------------------------------------------------
 def _install_kv_spec() -> None:
     from vllm_kvprune.engine.manager import KVPruneManager
-    from vllm_kvprune.engine.spec import FdcSpec, KVPruneSpec
+    from vllm_kvprune.engine.spec import FdcSpec, KVPruneSpec, PrunedFdcSpec
 
     vllm_hooks.install_kv_spec(KVPruneSpec, KVPruneManager)
     vllm_hooks.install_kv_spec(FdcSpec, vllm_hooks.FullAttentionManager)
+    vllm_hooks.install_kv_spec(PrunedFdcSpec, KVPruneManager)

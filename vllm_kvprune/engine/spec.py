@@ -33,3 +33,9 @@ class FdcSpec(FullAttentionSpec):
     """Full attention whose heads are narrower (FDC): `head_size` is the per-layer packed width
     of the reduced keys and values over `2 * num_kv_heads`, so the pool counts the bytes a token
     really takes. Every token is kept: vLLM's own manager serves it. Field-less, as above."""
+
+
+class PrunedFdcSpec(KVPruneSpec):
+    """FDC's narrower heads under an eviction policy (`streaming` with `fdc`): the cap of
+    `KVPruneSpec` (our manager returns the blocks past it) over FDC's narrowed `head_size`, so
+    the two savings multiply. Field-less, as above."""

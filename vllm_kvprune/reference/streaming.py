@@ -39,7 +39,7 @@ import time
 import torch
 from torch import nn
 
-from .model import BudgetedReference, ReferenceOutput, load_reference_model
+from .model import BudgetedReference, HeadTransform, ReferenceOutput, load_reference_model
 
 __all__ = ["StreamingLLMReference", "ReferenceOutput", "load_reference_model", "main"]
 
@@ -58,6 +58,7 @@ class StreamingLLMReference(BudgetedReference):
         positions: str = "original",
         prefill: str = "full",
         prefill_chunk: int = 256,
+        head_transform: HeadTransform | None = None,
     ) -> None:
         if not isinstance(sinks, int) or sinks < 0:
             raise ValueError(f"sinks must be an int >= 0, got {sinks!r}")
@@ -71,6 +72,7 @@ class StreamingLLMReference(BudgetedReference):
             positions=positions,
             prefill=prefill,
             prefill_chunk=prefill_chunk,
+            head_transform=head_transform,
         )
 
     def choose_keep(self, n_keep: int) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch
 
 from vllm_kvprune import kernels, vllm_hooks
 from vllm_kvprune.config import policy_from_vllm_config
-from vllm_kvprune.engine.spec import FdcSpec, KVPruneSpec
+from vllm_kvprune.engine.spec import FdcSpec, KVPruneSpec, PrunedFdcSpec
 from vllm_kvprune.vllm_hooks import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
@@ -46,13 +46,13 @@ class KVPruneMetadataBuilder(CPUAttentionMetadataBuilder):
         # Only the policy's KV-cache group is planned; vLLM's own groups (a hybrid model's
         # sliding-window layers) are built exactly as vLLM builds them.
         self.policy_active = policy_from_vllm_config(vllm_config).active and isinstance(kv_cache_spec, KVPruneSpec)
-        self.narrow_heads = isinstance(kv_cache_spec, FdcSpec)
+        self.narrow_heads = isinstance(kv_cache_spec, (FdcSpec, PrunedFdcSpec))
 
     def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False) -> CPUAttentionMetadata:
-        if self.narrow_heads:
-            return _fdc_metadata(common_attn_metadata)
         worker_state = runtime.worker_state() if self.policy_active else None
         if worker_state is None or worker_state.dummy_runs:
+            if self.narrow_heads:
+                return _fdc_metadata(common_attn_metadata)
             return super().build(common_prefix_len, common_attn_metadata, fast_build)
         query_start_loc = common_attn_metadata.query_start_loc_cpu.numpy()
         plan = worker_state.plan(query_start_loc[: common_attn_metadata.num_reqs + 1], self.block_size)
@@ -62,6 +62,12 @@ class KVPruneMetadataBuilder(CPUAttentionMetadataBuilder):
         physical = dataclasses.replace(
             common_attn_metadata, seq_lens=plan.seq_lens, max_seq_len=int(plan.seq_lens.max())
         )
+        if self.narrow_heads:
+            # FDC under eviction: FDC's kernel over the physical lengths, the plan's moves
+            # carried out on the narrow cache by the impl.
+            metadata = _fdc_metadata(physical)
+            metadata.kvprune_plan = plan
+            return metadata
         metadata = super().build(common_prefix_len, physical, fast_build)
         if plan.page_attention is not None:
             self._schedule_pages(plan.page_attention)
@@ -119,9 +125,13 @@ class KVPruneImpl(CPUAttentionBackendImpl):
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         narrow = _fdc_layers(kv_cache)
         if narrow is not None:
+            layer_index = vllm_hooks.layer_index(layer.layer_name)
+            plan = self._plan(layer)
+            if plan is not None and plan.pre_moves is not None:
+                narrow.copy(layer_index, kv_cache, *plan.pre_moves, _block_size(kv_cache))
             num_tokens = len(slot_mapping)
-            narrow.write(vllm_hooks.layer_index(layer.layer_name), key[:num_tokens], value[:num_tokens], kv_cache,
-                         slot_mapping, _block_size(kv_cache))
+            narrow.write(layer_index, key[:num_tokens], value[:num_tokens], kv_cache, slot_mapping,
+                         _block_size(kv_cache))
             return
         plan = self._plan(layer)
         if plan is not None and plan.layer_slot_mapping is not None:
@@ -251,6 +261,10 @@ class KVPruneImpl(CPUAttentionBackendImpl):
                                      attn_metadata.block_table, attn_metadata.query_start_loc,
                                      attn_metadata.seq_lens, self.scale, _block_size(kv_cache))
             output[:num_tokens].view(num_tokens, self.num_heads, self.head_size).copy_(attended)
+            plan = getattr(attn_metadata, "kvprune_plan", None)
+            if plan is not None and plan.post_moves is not None:
+                narrow.copy(vllm_hooks.layer_index(layer.layer_name), kv_cache, *plan.post_moves,
+                            _block_size(kv_cache))
             return output
         plan = getattr(attn_metadata, "kvprune_plan", None)
         layer_tables = getattr(attn_metadata, "kvprune_layer_tables", None)
@@ -388,9 +402,11 @@ class KVPruneCPUBackend(CPUAttentionBackend):
             return spec
         fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
         if worker_state.fdc is not None:
-            # Narrower heads: the pool counts the packed reduced K/V a token really takes.
+            # Narrower heads: the pool counts the packed reduced K/V a token really takes;
+            # under an eviction policy the request is capped too.
             narrow_size = worker_state.fdc.spec_head_size
-            return FdcSpec(**{**fields, "head_size": narrow_size, "head_size_v": narrow_size})
+            spec_cls = FdcSpec if worker_state.engine_config.name == "fdc" else PrunedFdcSpec
+            return spec_cls(**{**fields, "head_size": narrow_size, "head_size_v": narrow_size})
         return KVPruneSpec(**fields)
 
 

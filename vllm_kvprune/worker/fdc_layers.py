@@ -75,6 +75,22 @@ class FdcLayers:
         fdc_layer.heads.write(blocks_of(kv_cache), slots, reduced_keys, reduced_values,
                               block_size=block_size)
 
+    def copy(self, layer: int, kv_cache: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor,
+             block_size: int) -> None:
+        """Move whole narrow tokens from `src_slots` to `dst_slots` (an eviction's compaction),
+        staged: every source is read before any destination is written, so the sets may overlap.
+        Bit-exact: read in fp32, written back in the cache's own dtype."""
+        heads = self.layers[layer].heads
+        cache = blocks_of(kv_cache)
+        keys, values = heads.read(cache, src_slots, block_size)
+        width_k, width_v = max(k.shape[1] for k in keys), max(v.shape[1] for v in values)
+        padded_keys = torch.zeros(len(src_slots), heads.num_heads, width_k)
+        padded_values = torch.zeros(len(src_slots), heads.num_heads, width_v)
+        for h, (key, value) in enumerate(zip(keys, values)):
+            padded_keys[:, h, : key.shape[1]] = key
+            padded_values[:, h, : value.shape[1]] = value
+        heads.write(cache, dst_slots, padded_keys, padded_values, block_size=block_size)
+
     def attend(self, layer: int, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, block_size: int) -> torch.Tensor:
         """Attention of queries `[T, Hq, d]` in the reduced space; returns `[T, Hq, d]` fp32."""

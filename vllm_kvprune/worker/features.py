@@ -101,7 +101,7 @@ def refusal(config: KVPolicyConfig, layers: list[LayerFeatures],
             return refused("attention sinks", layer, "use streaming or paged_eviction")
         if layer.softcap and policy == "gvote" and layer.pruned:
             return refused("logit soft-capping", layer, "use streaming, h2o or paged_eviction")
-        if policy == "fdc":
+        if config.narrow_heads:
             # FDC's kernel: plain causal softmax attention in the reduced space.
             if layer.sliding_window is not None:
                 return refused("sliding-window attention", layer, "FDC's kernel has no window")

@@ -32,7 +32,7 @@ class KVPruneCPUModelRunner(CPUModelRunner):
         super().load_model(*args, **kwargs)
         if self.kv_state.policy is not None:
             self._check_attention_features()
-        if self.kv_state.engine_config.name == "fdc":
+        if self.kv_state.engine_config.narrow_heads:
             self._load_fdc()
 
     def _load_fdc(self) -> None:
