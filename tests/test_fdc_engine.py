@@ -22,7 +22,7 @@ from conftest import engine, make_llm, page_bytes, scheduler_of
 
 from vllm_kvprune.fdc import calibration as fdc
 from vllm_kvprune.reference.fdc import FdcReference, FdcTransform
-from vllm_kvprune.reference.model import BudgetedReference
+from vllm_kvprune.reference.budgeted import BudgetedReference
 from vllm_kvprune.reference.streaming import StreamingLLMReference
 
 pytestmark = pytest.mark.slow

@@ -27,12 +27,8 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from vllm_kvprune.fdc import calibration as fdc  # noqa: E402
 from vllm_kvprune.reference.fdc import FdcReference, FdcTransform  # noqa: E402
-from vllm_kvprune.reference.model import (  # noqa: E402
-    BudgetedReference,
-    ContiguousKVCache,
-    compute_logits,
-    forward_step,
-)
+from vllm_kvprune.reference.budgeted import BudgetedReference  # noqa: E402
+from vllm_kvprune.reference.model import ContiguousKVCache, compute_logits, forward_step  # noqa: E402
 
 VOCAB = 256
 
@@ -277,3 +273,27 @@ def test_calibrate_command_refuses_bad_input_with_exit_2(tiny_file, tmp_path, ar
     done = _calibrate(*args)
     assert done.returncode == 2, (done.stdout, done.stderr)
     assert named in done.stderr, done.stderr
+
+
+def test_calibrate_command_picks_the_largest_rate_that_meets_a_target(tiny_file, tmp_path) -> None:
+    """--target-accuracy: the chosen rate meets the perplexity bound and the next rate tried
+    above it does not (or it is the ladder's top); the file records the target and the rate."""
+    model_dir = tiny_file[0]
+    out, report = tmp_path / "t.safetensors", tmp_path / "t.json"
+    done = _calibrate("fdc", str(model_dir), "--out", str(out), "--tokens", "128", "--seq-len", "64",
+                      "--target-accuracy", "1.01", "--eval-tokens", "96", "--report", str(report))
+    assert done.returncode == 0, done.stderr[-2000:]
+    search = json.loads(report.read_text())["target_search"]
+    loaded = fdc.load(out, model_dir)
+    assert loaded.settings["rate"] == search["rate"] and loaded.settings["target_accuracy"] == 1.01
+    tried = {point["rate"]: point["perplexity"] for point in search["tried"]}
+    bound = 1.01 * search["none"]
+    assert tried[search["rate"]] <= bound
+    above = [rate for rate in tried if rate > search["rate"]]
+    assert above and all(tried[rate] > bound for rate in above)
+    assert torch.equal(loaded.qk_rank, fdc.load(out).with_rate(search["rate"]).qk_rank)
+    # --rate and --target-accuracy exclude each other; a ratio below 1 is refused.
+    for args, named in ((["--rate", "0.1", "--target-accuracy", "1.05"], "--target-accuracy"),
+                        (["--target-accuracy", "0.9"], "--target-accuracy")):
+        refused = _calibrate("fdc", str(model_dir), "--out", str(tmp_path / "x.safetensors"), *args)
+        assert refused.returncode == 2 and named in refused.stderr, refused.stderr

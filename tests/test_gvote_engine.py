@@ -96,7 +96,7 @@ class TestSharedEngine:
     """Tests that share one engine; it is closed when the class ends."""
 
     def test_keeping_everything_equals_the_full_cache(self, gvote_llm, reference_model):
-        from vllm_kvprune.reference.model import BudgetedReference
+        from vllm_kvprune.reference.budgeted import BudgetedReference
 
         prompt_ids = prompts(PROMPT_LENGTHS)
         outputs = gvote_llm.generate([{"prompt_token_ids": p} for p in prompt_ids],

@@ -26,13 +26,8 @@ from vllm_kvprune.reference.gvote import (  # noqa: E402
     layer_generator,
     synthetic_queries,
 )
-from vllm_kvprune.reference.model import (  # noqa: E402
-    BudgetedReference,
-    ContiguousKVCache,
-    forward_step,
-    rope_cos_sin,
-    rotate,
-)
+from vllm_kvprune.reference.budgeted import BudgetedReference  # noqa: E402
+from vllm_kvprune.reference.model import ContiguousKVCache, forward_step, rope_cos_sin, rotate  # noqa: E402
 
 VOCAB = 512
 PROMPT = 60

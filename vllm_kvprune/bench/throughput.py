@@ -55,6 +55,7 @@ from vllm_kvprune.bench import common
 MEMORY_BOUND = "memory-bound"
 BUDGET_FREE = ("gvote",)  # choose their own memory per request: one case each, no budget
 KEEP_ALL = ("fdc",)  # keep every token, each narrower (the pool's bytes hold more blocks): one case
+WITH_FDC = ("streaming+fdc",)  # a budgeted policy over FDC's narrower heads: budgets x narrower blocks
 MATCHED_POLICY = "h2o"  # also run at each budget-free policy's measured mean memory
 OVERHEAD = "overhead"
 TARGET_MEMORY_BOUND_RATIO = 2.0  # streaming (budget 512) over none, memory-bound
@@ -124,7 +125,12 @@ class Case:
             return None
         from vllm_kvprune.config import KVPolicyConfig
 
-        return KVPolicyConfig(name=self.policy, budget=self.budget, sinks=sinks).cap_blocks(block_size)
+        return KVPolicyConfig(name=self.base_policy, budget=self.budget, sinks=sinks).cap_blocks(block_size)
+
+    @property
+    def base_policy(self) -> str:
+        """The eviction policy (`streaming` of `streaming+fdc`)."""
+        return self.policy.removesuffix("+fdc")
 
 
 @dataclass
@@ -195,8 +201,10 @@ def build_llm(engine: EngineSettings, case: Case):
         kwargs["additional_config"] = {"kv_policy": {"name": case.policy, "fdc": engine.fdc}}
     elif case.policy != "none":
         kwargs["additional_config"] = {
-            "kv_policy": {"name": case.policy, "budget": case.budget, "sinks": engine.sinks}
+            "kv_policy": {"name": case.base_policy, "budget": case.budget, "sinks": engine.sinks}
         }
+        if case.policy in WITH_FDC:
+            kwargs["additional_config"]["kv_policy"]["fdc"] = engine.fdc
     return LLM(**kwargs)
 
 
@@ -413,6 +421,7 @@ def plan_cases(args: argparse.Namespace, engine: EngineSettings) -> tuple[Case, 
             cases.append(Case(MEMORY_BOUND, policy, None, bound, none_max_num_seqs(args.none_max_seqs, narrow, engine)))
             continue
         budgets = [None] if policy in BUDGET_FREE else args.budgets
+        # With FDC the same bytes (`pool_blocks` full-width blocks) hold more, narrower blocks.
         cases += [Case(MEMORY_BOUND, policy, budget, bound) for budget in budgets]
     if args.overhead_requests == 0:  # asked for the memory-bound cases only
         return tuple(cases)
@@ -438,8 +447,8 @@ def build_plan(args: argparse.Namespace) -> Plan:
         model=resolve_model(args.model), dtype=args.dtype, block_size=args.block_size,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, sinks=args.sinks, fdc=args.fdc,
     )
-    if "fdc" in args.policies and not args.fdc:
-        raise SystemExit("--policies fdc needs --fdc FILE (vllm-kvprune calibrate fdc MODEL --out FILE)")
+    if any(policy in (*KEEP_ALL, *WITH_FDC) for policy in args.policies) and not args.fdc:
+        raise SystemExit("--policies fdc / streaming+fdc need --fdc FILE (vllm-kvprune calibrate fdc MODEL --out FILE)")
     needed = min_pool_blocks(engine.max_model_len, engine.block_size)
     if args.pool_blocks < needed:
         raise SystemExit(
@@ -695,7 +704,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--gen-tokens", type=int, default=None, help=f"generated tokens per request ({full['gen_tokens']})")
     add("--budgets", type=int, nargs="+", default=None, help=f"budgets of each policy ({full['budgets']})")
     add("--policies", nargs="+", default=["streaming", "h2o", "paged_eviction"],
-        choices=("streaming", "h2o", "paged_eviction", *BUDGET_FREE, *KEEP_ALL),
+        choices=("streaming", "h2o", "paged_eviction", *BUDGET_FREE, *KEEP_ALL, *WITH_FDC),
         help="policies of the memory-bound cases (default: the three budgeted ones); a budget-free "
              f"one ({', '.join(BUDGET_FREE)}) runs once, then {MATCHED_POLICY} runs at the mean "
              "blocks per request it measured (equal memory)")
@@ -709,7 +718,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "admits everyone, then preempts and recomputes over and over (slow; --quick uses it)")
     add("--block-size", type=int, default=32)
     add("--fdc", default=None, metavar="FILE",
-        help="FDC calibration of the model, for --policies fdc (vllm-kvprune calibrate fdc MODEL --out FILE)")
+        help="FDC calibration of the model, for --policies fdc and streaming+fdc "
+             "(vllm-kvprune calibrate fdc MODEL --out FILE)")
     add("--sinks", type=int, default=4)
     add("--overhead-requests", type=int, default=None,
         help=f"requests of the overhead cases; 0 leaves them out ({full['overhead_requests']})")

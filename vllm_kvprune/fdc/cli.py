@@ -20,6 +20,8 @@ from typing import Sequence
 
 from vllm_kvprune.fdc import calibration as fdc
 
+TARGET_EVAL_TOKENS = 1024  # perplexity text of --target-accuracy when --eval-tokens is not given
+
 
 def _rate(text: str) -> float:
     try:
@@ -28,6 +30,17 @@ def _rate(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
     if not 0.0 <= value < 1.0:
         raise argparse.ArgumentTypeError(f"must be in [0, 1) (the share of each head's spectrum dropped), got {text}")
+    return value
+
+
+def _ratio(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {text!r}") from None
+    if not value >= 1.0:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (perplexity allowed, as a multiple of the uncompressed "
+                                         f"cache's), got {text}")
     return value
 
 
@@ -47,8 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--seq-len", type=_positive, default=fdc.DEFAULT_SEQ_LEN,
         help=f"tokens per sequence fed to the model (default {fdc.DEFAULT_SEQ_LEN})")
     add("--seed", type=int, default=0, help="seed of the random tokens (default 0)")
-    add("--rate", type=_rate, default=fdc.DEFAULT_RATE,
-        help=f"singular-value removal rate r, one for every head (FDC Eq. 1; default {fdc.DEFAULT_RATE})")
+    chosen = parser.add_mutually_exclusive_group()
+    chosen.add_argument("--rate", type=_rate, default=None,
+                        help=f"singular-value removal rate r, one for every head (FDC Eq. 1; default {fdc.DEFAULT_RATE})")
+    chosen.add_argument("--target-accuracy", type=_ratio, default=None, metavar="PPL_RATIO",
+                        help="pick the largest rate whose perplexity on essay text (--eval-tokens, default "
+                             f"{TARGET_EVAL_TOKENS}; --eval-offset) is at most PPL_RATIO x the uncompressed "
+                             "cache's, e.g. 1.05")
     add("--source", choices=("random", "essays"), default="random",
         help="calibration tokens: uniform random ids (FDC's choice, default) or essay text")
     add("--v-source", choices=fdc.V_SOURCES, default="values",
@@ -116,6 +134,22 @@ def _evaluate(model_dir: Path, calibration: fdc.FdcCalibration, tokens: int, off
     return {"tokens": len(token_ids), "offset": offset, "none": none, "points": [dataclasses.asdict(point) for point in points]}
 
 
+def _search_rate(model_dir: Path, calibration: fdc.FdcCalibration, target: float, tokens: int, offset: int):
+    """`evaluate.rate_for_target` on `tokens` essay tokens from `offset`, printed as it goes."""
+    from vllm_kvprune.fdc.evaluate import rate_for_target
+    from vllm_kvprune.reference.model import load_reference_model
+
+    token_ids = _essay_sequences(model_dir, offset + tokens, offset + tokens)[0][offset:]
+    search = rate_for_target(load_reference_model(str(model_dir)), calibration, token_ids, target)
+    print(f"target: perplexity <= {target} x none ({search.none:.3f}) on {len(token_ids)} essay tokens")
+    for rate, value, kept in search.tried:
+        verdict = "meets" if value <= target * search.none else "misses"
+        print(f"  rate {rate:<8g} KV kept {kept:6.1%}  perplexity {value:.3f} ({value / search.none:.3f}x) {verdict}")
+    if search.rate is not None:
+        print(f"chosen rate: {search.rate}")
+    return search
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -123,11 +157,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tqdm import tqdm
 
     model = Path(args.model)
+    rate = fdc.DEFAULT_RATE if args.rate is None else args.rate
     sequences = _essay_sequences(model, args.tokens, args.seq_len) if args.source == "essays" else None
     with tqdm(total=args.tokens, desc="calibrating", unit="tok", dynamic_ncols=True) as bar:
-        result = fdc.calibrate(model, tokens=args.tokens, seq_len=args.seq_len, seed=args.seed, rate=args.rate,
+        result = fdc.calibrate(model, tokens=args.tokens, seq_len=args.seq_len, seed=args.seed, rate=rate,
                                sequences=sequences, source=args.source, progress=bar.update,
                                v_source=args.v_source)
+    search = None
+    if args.target_accuracy is not None:
+        search = _search_rate(model, result, args.target_accuracy, args.eval_tokens or TARGET_EVAL_TOKENS,
+                              args.eval_offset)
+        if search.rate is None:
+            print(f"no removal rate meets perplexity <= {args.target_accuracy} x the uncompressed cache's "
+                  f"(the smallest tried, {search.tried[0][0]}, gives {search.tried[0][1] / search.none:.3f}x); "
+                  "nothing written", file=sys.stderr)
+            return 1
+        result = result.with_rate(search.rate)
+        result.settings.update(target_accuracy=args.target_accuracy, target_eval_tokens=search.num_tokens,
+                               target_eval_offset=args.eval_offset)
+        rate = search.rate
     result.save(args.out)
     print(fdc.describe(result))
     from vllm_kvprune.bench.common import machine_info
@@ -144,9 +192,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         compared = report["compared_with"]
         print(f"vs {args.compare}: rotation difference (FDC Table 2) {compared['qk_rotation_difference']:.1%}, "
               f"kept Q/K subspace shared {compared['qk_subspace_overlap']:.1%}")
-    if args.eval_tokens > 0:
+    if search is not None:
+        report["target_search"] = {"target": search.target, "none": search.none, "rate": search.rate,
+                                   "tried": [{"rate": r, "perplexity": p, "kv_fraction": f} for r, p, f in search.tried]}
+    if args.eval_tokens > 0 and search is None:
         report["perplexity"] = _evaluate(model, result, args.eval_tokens, args.eval_offset,
-                                         args.eval_rates or [args.rate])
+                                         args.eval_rates or [rate])
     if args.report is not None:
         args.report.write_text(json.dumps(report, indent=1))
         print(f"wrote {args.report}")

@@ -16,7 +16,7 @@ from vllm_kvprune.fdc.calibration import FdcCalibration
 def perplexity(model: torch.nn.Module, token_ids: Sequence[int], calibration: FdcCalibration | None = None) -> float:
     """Perplexity of ``token_ids`` (one sequence, fp32) with the full cache or under FDC."""
     from vllm_kvprune.reference.fdc import FdcReference
-    from vllm_kvprune.reference.model import BudgetedReference
+    from vllm_kvprune.reference.budgeted import BudgetedReference
 
     reference = BudgetedReference(model, budget=None) if calibration is None else FdcReference(model, calibration)
     logprobs = reference.generate(list(token_ids), 0, prompt_logprobs=True).prompt_logprobs[1:]
@@ -43,3 +43,50 @@ def sweep(model: torch.nn.Module, calibration: FdcCalibration, token_ids: Sequen
         points.append(SweepPoint(rate, adaptive.kv_fraction(), perplexity(model, token_ids, adaptive),
                                  perplexity(model, token_ids, uniform), uniform.kv_fraction()))
     return perplexity(model, token_ids), points
+
+
+# Removal rates tried in order when a target picks the rate (FDC §5.2 chooses r offline against
+# an accuracy constraint and leaves the search open): a log-spaced ladder, then bisection between
+# the last rate that met the target and the first that did not.
+RATE_LADDER = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9)
+BISECTION_STEPS = 4
+
+
+@dataclasses.dataclass
+class TargetSearch:
+    target: float  # most perplexity allowed, as a multiple of `none`'s
+    none: float
+    tried: list[tuple[float, float, float]]  # (rate, perplexity, KV kept) in the order tried
+    rate: float | None  # the largest rate tried that met the target (None: not even the smallest)
+    num_tokens: int  # perplexity text length
+
+
+def rate_for_target(model: torch.nn.Module, calibration: FdcCalibration, token_ids: Sequence[int],
+                    target: float) -> TargetSearch:
+    """The largest removal rate whose perplexity on ``token_ids`` is at most ``target`` x the
+    uncompressed cache's. Assumes perplexity grows with the rate (it does, up to noise, on every
+    model measured): the ladder stops at its first miss, then the gap is bisected."""
+    none = perplexity(model, token_ids)
+    tried: list[tuple[float, float, float]] = []
+
+    def meets(rate: float) -> bool:
+        compressed = calibration.with_rate(rate)
+        value = perplexity(model, token_ids, compressed)
+        tried.append((rate, value, compressed.kv_fraction()))
+        return value <= target * none
+
+    best, missed = None, None
+    for rate in RATE_LADDER:
+        if not meets(rate):
+            missed = rate
+            break
+        best = rate
+    if missed is not None:
+        low = best if best is not None else 0.0
+        for _ in range(BISECTION_STEPS):
+            middle = round((low + missed) / 2, 6)
+            if meets(middle):
+                low = best = middle
+            else:
+                missed = middle
+    return TargetSearch(target, none, tried, best, len(token_ids))

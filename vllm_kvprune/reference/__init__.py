@@ -1,7 +1,8 @@
 """Plain PyTorch reference implementations (oracles) of the KV policies, on a Hugging Face model
 with a contiguous per-layer cache.  See DESIGN.md section 7.
 
-* :mod:`.model`: shared plumbing (contiguous cache, manual forward, generation driver).
+* :mod:`.model`: shared plumbing (contiguous cache, manual forward).
+* :mod:`.budgeted`: the generation driver (step rule, position modes, prefill modes).
 * :mod:`.streaming`: StreamingLLM (``python -m vllm_kvprune.reference.streaming --help``).
 * :mod:`.paged_eviction`: PagedEviction (token pruning at prefill, block eviction at decode).
 * :mod:`.h2o`: H2O (heavy hitters by attention mass, per KV head, with eager attention).
@@ -9,16 +10,8 @@ with a contiguous per-layer cache.  See DESIGN.md section 7.
 * :mod:`.fdc`: FDC (post-RoPE rotations, attention in each head's reduced dimensions).
 """
 
-from .model import (
-    BudgetedReference,
-    ContiguousKVCache,
-    ReferenceOutput,
-    StepOutput,
-    compute_logits,
-    forward_step,
-    load_reference_model,
-    lowest_scores_first,
-)
+from .budgeted import BudgetedReference, ReferenceOutput, lowest_scores_first
+from .model import ContiguousKVCache, StepOutput, compute_logits, forward_step, load_reference_model
 
 __all__ = [
     "BudgetedReference",

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from vllm_kvprune.fdc.calibration import FdcCalibration
-from vllm_kvprune.reference.model import BudgetedReference, HeadTransform
+from vllm_kvprune.reference.model import HeadTransform
+from vllm_kvprune.reference.budgeted import BudgetedReference
 
 
 class FdcTransform(HeadTransform):

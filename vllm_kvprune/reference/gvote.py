@@ -57,7 +57,8 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from .model import BudgetedReference, StepOutput, _decoder, forward_step, rope_cos_sin, rotate
+from .model import StepOutput, _decoder, forward_step, rope_cos_sin, rotate
+from .budgeted import BudgetedReference
 
 __all__ = [
     "GVoteReference",

@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .model import BudgetedReference, StepOutput, lowest_scores_first
+from .model import StepOutput
+from .budgeted import BudgetedReference, lowest_scores_first
 
 
 class H2OReference(BudgetedReference):

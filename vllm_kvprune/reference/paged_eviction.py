@@ -28,7 +28,8 @@ import math
 import torch
 from torch import nn
 
-from .model import BudgetedReference, StepOutput, forward_step, lowest_scores_first
+from .model import StepOutput, forward_step
+from .budgeted import BudgetedReference, lowest_scores_first
 
 
 class PagedEvictionReference(BudgetedReference):

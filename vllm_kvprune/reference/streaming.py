@@ -39,7 +39,8 @@ import time
 import torch
 from torch import nn
 
-from .model import BudgetedReference, HeadTransform, ReferenceOutput, load_reference_model
+from .model import HeadTransform, load_reference_model
+from .budgeted import BudgetedReference, ReferenceOutput
 
 __all__ = ["StreamingLLMReference", "ReferenceOutput", "load_reference_model", "main"]
 
