@@ -7,6 +7,7 @@
   proportionally more blocks (counted from the engine's own pool);
 - per-request overrides of a budget are refused; a calibration of another model is refused
   before the engine starts, naming the setting;
+- vLLM's compiled mode (no --enforce-eager) gives the eager run's tokens;
 - `streaming` with `fdc` (FDC's "KF-F"): the streaming reference given FDC's head transform,
   token for token, with the prompt pruned after it (`prefill: full`) or while it streams in;
   the pool holds the narrow blocks and each request at most the streaming cap of them.
@@ -173,4 +174,17 @@ def test_streaming_with_fdc_matches_the_reference(prefill, tiny_model, calibrati
                   .generate(prompt, NEW_TOKENS, prompt_logprobs=False) for prompt in PROMPTS]
     # The prompts outgrow the budget (60 and 100 tokens) or their generation does (40 + 10).
     assert all(len(prompt) + NEW_TOKENS > 48 for prompt in PROMPTS)
+    _assert_matches(results, references)
+
+
+def test_compiled_mode_matches_the_reference(tiny_model, calibrations, reference_model) -> None:
+    """Without --enforce-eager vLLM compiles the model around the attention layers; FDC's
+    projections live inside the attention backend, which the compiled graph calls as is."""
+    path, calibration = calibrations["adaptive"]
+    with engine(tiny_model, {"name": "fdc", "fdc": path}, kv_blocks=KV_BLOCKS, enforce_eager=False) as llm:
+        assert not llm.llm_engine.vllm_config.model_config.enforce_eager
+        assert llm.llm_engine.vllm_config.compilation_config.mode != 0  # compiled
+        results = _generate(llm)
+    references = [FdcReference(reference_model, calibration).generate(prompt, NEW_TOKENS, prompt_logprobs=False)
+                  for prompt in PROMPTS]
     _assert_matches(results, references)

@@ -10,6 +10,7 @@ All of it stays a no-op unless a policy other than `none` is configured.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -222,10 +223,6 @@ def _prepare_engine_args(engine_args) -> KVPolicyConfig | None:
             f"kv_policy {policy.name!r} cannot run with speculative decoding: a multi-token "
             "decode step would attend over evicted slots; remove --speculative-config"
         )
-    if policy.narrow_heads and not engine_args.enforce_eager:
-        # Only the eager path is tested with FDC's projections around the attention so far.
-        logger.info("kvprune: %s with fdc runs the model eagerly (--enforce-eager)", policy.name)
-        engine_args.enforce_eager = True
     if policy.name == "gvote" and not engine_args.enforce_eager:
         # The vote reads each layer's query-projection input through a module hook, which a
         # compiled graph would not run.
