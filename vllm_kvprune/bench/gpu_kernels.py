@@ -298,7 +298,9 @@ def case_fdc(shapes: Shapes, dtype: torch.dtype, device: str, rows: list) -> Non
     adaptive = torch.randint(max(dim // 8, 1), dim + 1, (2, heads), generator=generator)
     rank_sets = {"full width": ([dim] * heads, [dim] * heads),
                  "50% dims": ([dim // 2] * heads, [dim // 2] * heads),
-                 "adaptive ranks": (adaptive[0].tolist(), adaptive[1].tolist())}
+                 "adaptive ranks": (adaptive[0].tolist(), adaptive[1].tolist()),
+                 "adaptive ranks up to a multiple of 8": ((-(-adaptive[0] // 8) * 8).clamp(max=dim).tolist(),
+                                                          (-(-adaptive[1] // 8) * 8).clamp(max=dim).tolist())}
     for label, (k_ranks, v_ranks) in rank_sets.items():
         packed = PackedHeads.from_ranks(k_ranks, v_ranks)
         cache = torch.empty(batch * per_request, bs * packed.row_width, dtype=dtype, device=device)

@@ -269,6 +269,10 @@ FDC_CALIBRATIONS = (("fdc_calibration_random.json", "random tokens"), ("fdc_cali
                     ("fdc_heldout_essays.json", "essays (held-out text)"))
 
 
+# Served throughput with FDC: alone (8 requests), under streaming (8 and 24 requests).
+FDC_THROUGHPUT = ("throughput_fdc", "throughput_streaming_fdc", "throughput_streaming_fdc_24")
+
+
 def _percent(value: Any) -> str:
     return MISSING if value is None else f"{value:.1%}"
 
@@ -320,9 +324,9 @@ def fdc_section(folder: Path, doc_dir: Path) -> str:
                   fdc_calibration_table(found),
                   "Perplexity of essay text through the compressed cache (reference), adaptive ranks and every "
                   "head at the mean ranks (the paper's ablation):", fdc_perplexity_table(found)]
-    served = folder / "throughput_fdc.json"
-    if served.is_file():
-        parts.append(throughput_section([served], doc_dir))
+    served = [folder / f"{stem}.json" for stem in FDC_THROUGHPUT if (folder / f"{stem}.json").is_file()]
+    if served:
+        parts.append(throughput_section(served, doc_dir))
     attention = folder / "attention.json"
     if attention.is_file():
         document = load(attention)

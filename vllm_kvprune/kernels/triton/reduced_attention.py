@@ -69,7 +69,7 @@ def _reduced_attention_kernel(
     out_stride_t, out_stride_h,
     BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, USE_DOT: tl.constexpr, TASK_FIELDS: tl.constexpr,
-    block_size: tl.constexpr, DECODE: tl.constexpr, ORDERED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    block_size: tl.constexpr, KEY_RUNS: tl.constexpr, V_ALIGN: tl.constexpr, DECODE: tl.constexpr, ORDERED: tl.constexpr, DOT_PRECISION: tl.constexpr,
     seq_lens_ptr, num_heads,
 ):
     """Program p: task p of ``tasks`` (int32 rows of _TASK_FIELDS). A task with 0 queries reads
@@ -98,7 +98,9 @@ def _reduced_attention_kernel(
     num_keys = tl.where(num_queries > 0, first_position + num_queries, 0)
 
     k_rank = tl.load(k_ranks_ptr + head)
-    v_rank = tl.load(v_ranks_ptr + head)
+    # Every head's v_rank is a multiple of V_ALIGN: rows of values start aligned, so their
+    # loads can be vectorised (an odd rank leaves them unaligned, element by element).
+    v_rank = tl.multiple_of(tl.load(v_ranks_ptr + head), V_ALIGN)
     k_offset = tl.load(k_offsets_ptr + head).to(tl.int64)
     v_offset = tl.load(v_offsets_ptr + head).to(tl.int64)
 
@@ -132,8 +134,26 @@ def _reduced_attention_kernel(
         slots = (positions % block_size).to(tl.int64)
         token_base = physical * cache_stride_block + slots  # + block_size * column for the keys
         # Keys [BLOCK_K, BLOCK_N] (dims-major in a block: dim d of a block's tokens is contiguous).
-        keys_t = tl.load(cache_ptr + token_base[None, :] + block_size * (k_offset + k_dims)[:, None],
-                         mask=(k_dims < k_rank)[:, None] & key_ok[None, :], other=0.0).to(tl.float32)
+        if KEY_RUNS == 1:
+            # The step lies in one block: each dim's BLOCK_N keys are one contiguous run, which
+            # the compiler can see (the block id is a scalar), so the loads are vectorised.
+            block = tl.load(table_row + first_key // block_size).to(tl.int64)
+            keys_t = tl.load(cache_ptr + block * cache_stride_block + block_size * (k_offset + k_dims)[:, None]
+                             + (first_key % block_size + steps)[None, :],
+                             mask=(k_dims < k_rank)[:, None] & key_ok[None, :], other=0.0).to(tl.float32)
+        elif KEY_RUNS > 1:
+            # KEY_RUNS whole blocks per step, a contiguous run of block_size keys per dim each.
+            run_blocks = first_key // block_size + tl.arange(0, KEY_RUNS)
+            run_ids = tl.load(table_row + run_blocks, mask=run_blocks * block_size < num_keys, other=0).to(tl.int64)
+            in_block = tl.arange(0, block_size)
+            run_ok = (run_blocks[:, None] * block_size + in_block[None, :]) < num_keys  # [KEY_RUNS, block_size]
+            keys_t = tl.load(cache_ptr + run_ids[None, :, None] * cache_stride_block
+                             + (block_size * (k_offset + k_dims))[:, None, None] + in_block[None, None, :],
+                             mask=(k_dims < k_rank)[:, None, None] & run_ok[None, :, :], other=0.0).to(tl.float32)
+            keys_t = tl.reshape(keys_t, (BLOCK_K, BLOCK_N))
+        else:
+            keys_t = tl.load(cache_ptr + token_base[None, :] + block_size * (k_offset + k_dims)[:, None],
+                             mask=(k_dims < k_rank)[:, None] & key_ok[None, :], other=0.0).to(tl.float32)
         # Values [BLOCK_N, BLOCK_V] (token-major); unread slots are 0 so 0-weight x NaN cannot leak.
         values = tl.load(cache_ptr + (physical * cache_stride_block + block_size * v_offset + slots * v_rank)[:, None]
                          + v_dims[None, :],
@@ -286,11 +306,16 @@ def reduced_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: 
     block_v = max(_MIN_DOT, triton.next_power_of_2(max_v_rank))
     use_dot = rows >= _MIN_DOT
     if use_dot:
-        # 128 keys per step for 16-bit caches up to 64 dims, else 32 (an H100 sweep at batch 32
-        # x 4096 keys, D 128, bf16: 128-dim heads took 0.73 ms at 32 keys, 0.86 at 64, 1.6 at
-        # 128 (register spills); 64-dim heads 0.34 ms at 128 keys, 0.49 at 64; 4 warps).
-        narrow = kv_cache.dtype != torch.float32 and max(block_k, block_v) <= 64
-        block_n = _TILE_OVERRIDE.get("block_n") or (2 * _DOT_KEYS if narrow else _DOT_KEYS // 2)
+        # Keys per step, from an H100 sweep (batch 32 x 4096 keys, 8 KV heads x 4, bf16, 4 warps):
+        # 16-bit caches whose value rows start aligned (every v_rank a multiple of 8) take 128
+        # (full width 0.31 ms, 50% dims 0.21); unaligned ranks 64 (adaptive: 0.45 ms at 64,
+        # 1.09 at 128); fp32 caches 32 (wider fp32 tiles spill registers).
+        if _TILE_OVERRIDE.get("block_n"):
+            block_n = _TILE_OVERRIDE["block_n"]
+        elif kv_cache.dtype == torch.float32:
+            block_n = _DOT_KEYS // 2
+        else:
+            block_n = 2 * _DOT_KEYS if on_device.v_align >= 8 else _DOT_KEYS
     else:
         block_n = min(_DOT_KEYS, max(_MIN_DOT, _MAX_PRODUCT // (rows * max(block_k, block_v))))
     if query.stride(2) != 1:
@@ -303,12 +328,22 @@ def reduced_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: 
         query.stride(0), query.stride(1), kv_cache.stride(0), table.stride(0),
         output.stride(0), output.stride(1),
         BLOCK_M=tile_queries, BLOCK_G=group_block, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_V=block_v,
-        USE_DOT=use_dot, TASK_FIELDS=_TASK_FIELDS, block_size=block_size,
+        USE_DOT=use_dot, TASK_FIELDS=_TASK_FIELDS, block_size=block_size, KEY_RUNS=_key_runs(block_size, block_n),
+        V_ALIGN=on_device.v_align,
         DECODE=decode, ORDERED=decode and balanced, DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
         seq_lens_ptr=seq_lens, num_heads=num_heads, **({"num_warps": _TILE_OVERRIDE["num_warps"]}
                                                           if _TILE_OVERRIDE.get("num_warps") else {}),
     )
     return output
+
+
+def _key_runs(block_size: int, block_n: int) -> int:
+    """How a step of ``block_n`` keys reads them: 1 = one block holds the whole step, k > 1 = k
+    whole blocks, 0 = key by key through the block table (a block size that is not a power of
+    two). Powers of two throughout, so a step never straddles a block unevenly."""
+    if block_size & (block_size - 1):
+        return 0
+    return 1 if block_size >= block_n else block_n // block_size
 
 
 @dataclass(frozen=True)
@@ -323,6 +358,7 @@ class _HeadsOnDevice:
     width: torch.Tensor  # int64 [H]: k_rank + v_rank, the per-key cost of a head
     max_k_rank: int
     max_v_rank: int
+    v_align: int  # the largest power of two (<= 16) dividing every v_rank
 
 
 def _device_heads(heads: PackedHeads, device: torch.device) -> _HeadsOnDevice:
@@ -338,8 +374,17 @@ def _device_heads(heads: PackedHeads, device: torch.device) -> _HeadsOnDevice:
         cached[device] = _HeadsOnDevice(
             k_ranks.to(device=device, dtype=torch.int32), v_ranks.to(device=device, dtype=torch.int32),
             heads.k_offsets.to(device=device, dtype=torch.int64), heads.v_offsets.to(device=device, dtype=torch.int64),
-            (k_ranks.long() + v_ranks.long()).to(device), int(k_ranks.max()), int(v_ranks.max()))
+            (k_ranks.long() + v_ranks.long()).to(device), int(k_ranks.max()), int(v_ranks.max()),
+            _power_of_two_dividing(v_ranks.tolist(), 16))
     return cached[device]
+
+
+def _power_of_two_dividing(values: list[int], cap: int) -> int:
+    """The largest power of two, at most ``cap``, that divides every value."""
+    align = cap
+    while align > 1 and any(value % align for value in values):
+        align //= 2
+    return align
 
 
 def _decode_order(seq_lens: torch.Tensor, width: torch.Tensor, num_heads: int) -> torch.Tensor:
