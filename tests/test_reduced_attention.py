@@ -106,3 +106,14 @@ def test_write_lays_keys_dims_major_and_values_token_major_per_block() -> None:
     assert cache[1].tolist() == [1, 4, 2, 5, 3, 6, 7, 10, 8, 9, 11, 12]
     keys, values = heads.read(cache, torch.tensor([3, 2]))
     assert keys[0].tolist() == [[4, 5], [1, 2]] and values[1].tolist() == [[11, 12], [8, 9]]
+
+
+@pytest.mark.skipif(not kernels.HAS_EXTENSION, reason="needs the C++ extension")
+@pytest.mark.parametrize("group", [2, 4, 9])
+def test_kernel_prefill_tiles_of_queries_match_reference(group: int) -> None:
+    """Long prefill chunks: queries in tiles of about 16 rows (query x group), partial last
+    tiles, rows past 8 in a second pass (group 9: one query per tile, 8 + 1 rows)."""
+    query, cache, table, starts, lens, heads, _ = _case(20 + group, group, torch.float32, (40, 1, 17), (70, 9, 17))
+    expected = reduced_attention_reference(query, cache, table, starts, lens, heads, 0.2, 40)
+    got = reduced_attention(query, cache, table, starts, lens, heads, 0.2, 40)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

@@ -13,7 +13,9 @@
 // rest zeroed), for the caller to turn back.
 //
 // One task is one (sequence, KV head): its G query heads over all of the sequence's query
-// tokens (causal: query i of n_q sees the first seq_len - n_q + i + 1 keys). Heads of unequal
+// tokens (causal: query i of n_q sees the first seq_len - n_q + i + 1 keys), in tiles of
+// consecutive queries (about 16 rows of query x group) so a prefill reads each key once per
+// tile, not once per query; up to 8 rows share every key and value vector loaded. Heads of unequal
 // rank make tasks of unequal cost, so the tasks are dealt to threads longest first, each to
 // the thread with the least work so far (FDC §5.3's decode schedule, longest-processing-time
 // first); `balanced = false` deals them in order, in equal-count chunks, for comparison.
@@ -102,10 +104,13 @@ inline void softmax(float* scores, int64_t count) {
 }
 
 // Register blocking: 32 lanes (two AVX-512 vectors of fp32, a whole cache line of bf16
-// keys) times up to 4 query heads of a
-// group, accumulated over a whole reduction before anything is stored.
+// keys) times up to 8 query rows, accumulated over a whole reduction before anything is
+// stored: each key or value vector loaded serves 8 rows.
 constexpr int64_t kLanes = 32;
-constexpr int64_t kHeadsPerPass = 4;
+constexpr int64_t kRowsPerPass = 8;
+// Query rows a task handles together in a prefill: consecutive queries x the group, so a
+// sequence's keys are read once per tile instead of once per query.
+constexpr int64_t kTileRows = 16;
 
 // The first `count` (<= kLanes) lanes are the values at `src`. Lanes past `count` hold
 // whatever follows in the cache (the next token or head): every lane is independent and only
@@ -120,23 +125,54 @@ inline void load_lanes(const T* src, int64_t count, const T* end, float* lanes) 
   for (int64_t l = 0; l < kLanes; ++l) lanes[l] = l < count ? to_float(src[l]) : 0.f;
 }
 
-// logits[g][start + l] = q_g . key_l for `count` keys whose dim d sits at keys[d * stride + l].
-template <typename T>
-inline void block_logits(const float* queries, int64_t num_heads, int64_t k_rank, const T* keys, int64_t stride,
-                         int64_t count, const T* end, float* logits, int64_t logits_stride) {
-  for (int64_t g0 = 0; g0 < num_heads; g0 += kHeadsPerPass) {
-    const int64_t heads = std::min(kHeadsPerPass, num_heads - g0);
-    float acc[kHeadsPerPass][kLanes] = {};
-    float lanes[kLanes];
-    for (int64_t d = 0; d < k_rank; ++d) {
-      load_lanes(keys + d * stride, count, end, lanes);
-      for (int64_t g = 0; g < kHeadsPerPass; ++g) {
-        const float q = g < heads ? queries[(g0 + g) * k_rank + d] : 0.f;
+// ROWS rows of logits: logits[r][l] = q_r . key_l for `count` keys whose dim d sits at
+// keys[d * stride + l]; queries [ROWS, k_rank].
+template <int ROWS, typename T>
+inline void logits_pass(const float* queries, int64_t k_rank, const T* keys, int64_t stride, int64_t count,
+                        const T* end, float* logits, int64_t logits_stride) {
+  float acc[ROWS][kLanes] = {};
+  float lanes[kLanes];
+  for (int64_t d = 0; d < k_rank; ++d) {
+    load_lanes(keys + d * stride, count, end, lanes);
+    for (int r = 0; r < ROWS; ++r) {
+      const float q = queries[r * k_rank + d];
 #pragma omp simd
-        for (int64_t l = 0; l < kLanes; ++l) acc[g][l] += q * lanes[l];
-      }
+      for (int64_t l = 0; l < kLanes; ++l) acc[r][l] += q * lanes[l];
     }
-    for (int64_t g = 0; g < heads; ++g) std::memcpy(logits + (g0 + g) * logits_stride, acc[g], count * sizeof(float));
+  }
+  for (int r = 0; r < ROWS; ++r) std::memcpy(logits + r * logits_stride, acc[r], count * sizeof(float));
+}
+
+// ROWS rows of outputs: out_r[d] = sum_j weights[r][j] value_j[d0 + d] over `num_keys` keys
+// (`value_of(j)` points at key j's dim d0), `dims` (<= kLanes) dims.
+template <int ROWS, typename T, typename ValueOf>
+inline void values_pass(const float* weights, int64_t weights_stride, int64_t num_keys, int64_t dims,
+                        const ValueOf& value_of, const T* end, float* const* out) {
+  float acc[ROWS][kLanes] = {};
+  float lanes[kLanes];
+  for (int64_t j = 0; j < num_keys; ++j) {
+    load_lanes(value_of(j), dims, end, lanes);
+    for (int r = 0; r < ROWS; ++r) {
+      const float weight = weights[r * weights_stride + j];
+#pragma omp simd
+      for (int64_t l = 0; l < kLanes; ++l) acc[r][l] += weight * lanes[l];
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) std::memcpy(out[r], acc[r], dims * sizeof(float));
+}
+
+// Runs `pass<ROWS>()` for ROWS = rows (1..kRowsPerPass), unrolled at compile time.
+template <typename Pass>
+inline void with_rows(int64_t rows, const Pass& pass) {
+  switch (rows) {
+    case 1: pass(std::integral_constant<int, 1>{}); break;
+    case 2: pass(std::integral_constant<int, 2>{}); break;
+    case 3: pass(std::integral_constant<int, 3>{}); break;
+    case 4: pass(std::integral_constant<int, 4>{}); break;
+    case 5: pass(std::integral_constant<int, 5>{}); break;
+    case 6: pass(std::integral_constant<int, 6>{}); break;
+    case 7: pass(std::integral_constant<int, 7>{}); break;
+    default: pass(std::integral_constant<int, 8>{}); break;
   }
 }
 
@@ -177,47 +213,55 @@ void run_task(const Task& task, const T* cache, int64_t block_size, int64_t bloc
   const int64_t seq_len = seq_lens[s], k_rank = k_ranks[h], v_rank = v_ranks[h];
   const int64_t key_base = block_size * k_offsets[h], value_base = block_size * v_offsets[h];
   const int32_t* blocks = block_table + s * table_width;
-  for (int64_t i = 0; i < num_queries; ++i) {
-    const int64_t t = first + i, num_keys = seq_len - num_queries + i + 1;
-    logits.assign(group * num_keys, 0.f);
-    query_row.resize(group * k_rank);
-    for (int64_t g = 0; g < group; ++g) {
-      const T* q = query + (t * num_q_heads + h * group + g) * query_width;
-      for (int64_t d = 0; d < k_rank; ++d) query_row[g * k_rank + d] = to_float(q[d]) * scale;
+  const int64_t tile = std::max<int64_t>(1, kTileRows / group);
+  std::vector<float*> outputs;
+  for (int64_t i0 = 0; i0 < num_queries; i0 += tile) {
+    // A tile of consecutive queries: row r is query i0 + r / group, group member r % group.
+    // Query i sees seq_len - num_queries + i + 1 keys; the tile reads as many as its last.
+    const int64_t tile_queries = std::min(tile, num_queries - i0), rows = tile_queries * group;
+    const int64_t first_visible = seq_len - num_queries + i0 + 1, num_keys = first_visible + tile_queries - 1;
+    logits.assign(rows * num_keys, 0.f);
+    query_row.resize(rows * k_rank);
+    outputs.resize(rows);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t t = first + i0 + r / group, q_head = h * group + r % group;
+      const T* q = query + (t * num_q_heads + q_head) * query_width;
+      for (int64_t d = 0; d < k_rank; ++d) query_row[r * k_rank + d] = to_float(q[d]) * scale;
+      outputs[r] = output + (t * num_q_heads + q_head) * output_width;
+      std::fill(outputs[r], outputs[r] + output_width, 0.f);
     }
-    // Logits, 16 keys of a block at a time: a dim of those keys, times each query head's dim.
+    // Logits, kLanes keys of a block at a time: a dim of those keys, times up to 8 rows' dim.
     for (int64_t start = 0; start < num_keys; start += kLanes) {
       const T* keys = cache + static_cast<int64_t>(blocks[start / block_size]) * block_stride + key_base +
                       start % block_size;
-      block_logits(query_row.data(), group, k_rank, keys, block_size, std::min(kLanes, num_keys - start), cache_end,
-                   &logits[start], num_keys);
+      const int64_t count = std::min(kLanes, num_keys - start);
+      for (int64_t r0 = 0; r0 < rows; r0 += kRowsPerPass) {
+        with_rows(std::min(kRowsPerPass, rows - r0), [&](auto rows_here) {
+          logits_pass<decltype(rows_here)::value>(&query_row[r0 * k_rank], k_rank, keys, block_size, count, cache_end,
+                                                  &logits[r0 * num_keys + start], num_keys);
+        });
+      }
     }
-    for (int64_t g = 0; g < group; ++g) softmax(&logits[g * num_keys], num_keys);
-    for (int64_t g = 0; g < group; ++g) {
-      float* out = output + (t * num_q_heads + h * group + g) * output_width;
-      std::fill(out, out + output_width, 0.f);
+    // Each row's softmax over the keys it sees; the keys past them weigh 0 in the sum.
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t visible = first_visible + r / group;
+      softmax(&logits[r * num_keys], visible);
+      std::fill(&logits[r * num_keys + visible], &logits[(r + 1) * num_keys], 0.f);
     }
-    // The weighted sum, 16 value dims at a time over every key, for up to 4 query heads.
+    // The weighted sum, kLanes value dims at a time over every key, for up to 8 rows.
     for (int64_t d0 = 0; d0 < v_rank; d0 += kLanes) {
       const int64_t dims = std::min(kLanes, v_rank - d0);
-      for (int64_t g0 = 0; g0 < group; g0 += kHeadsPerPass) {
-        const int64_t heads = std::min(kHeadsPerPass, group - g0);
-        float acc[kHeadsPerPass][kLanes] = {};
-        float lanes[kLanes];
-        for (int64_t j = 0; j < num_keys; ++j) {
-          const T* value = cache + static_cast<int64_t>(blocks[j / block_size]) * block_stride + value_base +
-                           (j % block_size) * v_rank + d0;
-          load_lanes(value, dims, cache_end, lanes);
-          for (int64_t g = 0; g < kHeadsPerPass; ++g) {
-            const float weight = g < heads ? logits[(g0 + g) * num_keys + j] : 0.f;
-#pragma omp simd
-            for (int64_t l = 0; l < kLanes; ++l) acc[g][l] += weight * lanes[l];
-          }
-        }
-        for (int64_t g = 0; g < heads; ++g) {
-          std::memcpy(output + (t * num_q_heads + h * group + g0 + g) * output_width + d0, acc[g],
-                      dims * sizeof(float));
-        }
+      const auto value_of = [&](int64_t j) {
+        return cache + static_cast<int64_t>(blocks[j / block_size]) * block_stride + value_base +
+               (j % block_size) * v_rank + d0;
+      };
+      std::vector<float*> shifted(rows);
+      for (int64_t r = 0; r < rows; ++r) shifted[r] = outputs[r] + d0;
+      for (int64_t r0 = 0; r0 < rows; r0 += kRowsPerPass) {
+        with_rows(std::min(kRowsPerPass, rows - r0), [&](auto rows_here) {
+          values_pass<decltype(rows_here)::value, T>(&logits[r0 * num_keys], num_keys, num_keys, dims, value_of,
+                                                     cache_end, &shifted[r0]);
+        });
       }
     }
   }

@@ -47,6 +47,21 @@ class PackedHeads:
     def num_heads(self) -> int:
         return int(self.k_ranks.shape[0])
 
+    def _columns(self, block_size: int) -> tuple[torch.Tensor, ...]:
+        """Per packed column, made once per block size and kept: each key column's head and
+        dim and its offset in a block (``block_size * (k_offset + dim)``); each value column's
+        head, dim, offset (``block_size * v_offset + dim``) and token stride (its head's v_rank)."""
+        cached = self.__dict__.setdefault("_columns_by_block_size", {})
+        if block_size not in cached:
+            key_heads = torch.repeat_interleave(torch.arange(self.num_heads), self.k_ranks.long())
+            key_dims = torch.cat([torch.arange(int(r)) for r in self.k_ranks])
+            value_heads = torch.repeat_interleave(torch.arange(self.num_heads), self.v_ranks.long())
+            value_dims = torch.cat([torch.arange(int(r)) for r in self.v_ranks])
+            cached[block_size] = (key_heads, key_dims, block_size * (self.k_offsets[key_heads] + key_dims),
+                                  value_heads, value_dims, block_size * self.v_offsets[value_heads] + value_dims,
+                                  self.v_ranks.long()[value_heads])
+        return cached[block_size]
+
     def _positions(self, slots: torch.Tensor, block_size: int, block_stride: int):
         """Flat element indices of the given slots' keys ``[n, sum k]`` and values ``[n, sum v]``
         in a cache viewed as ``[num_blocks * block_stride]`` (a block holds at least
@@ -54,13 +69,9 @@ class PackedHeads:
         slots = slots.long()
         base = (slots // block_size) * block_stride
         within = slots % block_size
-        key_dims = torch.cat([torch.arange(int(r)) for r in self.k_ranks])
-        key_heads = torch.repeat_interleave(torch.arange(self.num_heads), self.k_ranks.long())
-        value_dims = torch.cat([torch.arange(int(r)) for r in self.v_ranks])
-        value_heads = torch.repeat_interleave(torch.arange(self.num_heads), self.v_ranks.long())
-        keys = base[:, None] + block_size * (self.k_offsets[key_heads] + key_dims)[None, :] + within[:, None]
-        values = (base[:, None] + block_size * self.v_offsets[value_heads][None, :]
-                  + within[:, None] * self.v_ranks.long()[value_heads][None, :] + value_dims[None, :])
+        key_heads, _, key_columns, _, _, value_columns, value_strides = self._columns(block_size)
+        keys = base[:, None] + key_columns[None, :] + within[:, None]
+        values = base[:, None] + value_columns[None, :] + within[:, None] * value_strides[None, :]
         return keys, values, key_heads
 
     def block_size_of(self, kv_cache: torch.Tensor, block_size: int | None) -> int:
@@ -76,8 +87,9 @@ class PackedHeads:
         block_size = self.block_size_of(kv_cache, block_size)
         keys, values, _ = self._positions(slots, block_size, kv_cache.shape[1])
         flat = kv_cache.view(-1)
-        flat[keys.reshape(-1)] = torch.cat([key[:, h, : int(r)] for h, r in enumerate(self.k_ranks)], 1).reshape(-1).to(flat.dtype)
-        flat[values.reshape(-1)] = torch.cat([value[:, h, : int(r)] for h, r in enumerate(self.v_ranks)], 1).reshape(-1).to(flat.dtype)
+        key_heads, key_dims, _, value_heads, value_dims, _, _ = self._columns(block_size)
+        flat[keys.reshape(-1)] = key[:, key_heads, key_dims].reshape(-1).to(flat.dtype)
+        flat[values.reshape(-1)] = value[:, value_heads, value_dims].reshape(-1).to(flat.dtype)
 
     def read(self, kv_cache: torch.Tensor, slots: torch.Tensor,
              block_size: int | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
