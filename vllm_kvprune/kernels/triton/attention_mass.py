@@ -50,6 +50,18 @@ def capped(logits, softcap):
 
 
 @triton.jit
+def softmax_step(logits, running_max, running_sum):
+    """One key tile of an online softmax over rows: ``(probs, rescale, max, sum)``, where
+    ``probs`` are the tile's unnormalised weights against the new running max and ``rescale``
+    is what the rows' earlier accumulations are multiplied by. Every row's tile must hold a
+    finite logit (masked keys are -inf, but not all of a row's)."""
+    new_max = tl.maximum(running_max, tl.max(logits, axis=1))
+    rescale = tl.exp(running_max - new_max)
+    probs = tl.exp(logits - new_max[:, None])
+    return probs, rescale, new_max, running_sum * rescale + tl.sum(probs, axis=1)
+
+
+@triton.jit
 def group_logits(query, key, scale, softcap, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """``[GROUP_PAD, KEY_TILE]`` scaled (and capped) logits of the query group
     ``[GROUP_PAD, D_PAD]`` against one key tile ``[KEY_TILE, D_PAD]``; fp32 in, fp32 out, no masking."""
@@ -102,11 +114,7 @@ def _attention_mass_kernel(
         key = tl.load(tile_at, mask=tile_mask, other=0.0).to(tl.float32)
         logits = group_logits(query, key, scale, softcap, SOFTCAP, DOT_PRECISION)
         logits = tl.where(key_ok[None, :], logits, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(logits, axis=1))  # finite: every tile has a key
-        rescale = tl.exp(running_max - new_max)
-        probs = tl.exp(logits - new_max[:, None])
-        running_sum = running_sum * rescale + tl.sum(probs, axis=1)
-        running_max = new_max
+        probs, rescale, running_max, running_sum = softmax_step(logits, running_max, running_sum)
         if WRITE_OUTPUT:
             value = tl.load(tile_at + head_size, mask=tile_mask, other=0.0).to(tl.float32)
             accumulator = accumulator * rescale[:, None] + tl.dot(probs, value, input_precision=DOT_PRECISION)

@@ -34,6 +34,7 @@ from vllm_kvprune.kernels.triton.attention_mass import (
     group_logits,
     group_pad,
     key_tile,
+    softmax_step,
     tile_size,
 )
 
@@ -80,11 +81,7 @@ def _head_page_attention_kernel(
         key = tl.load(tile_at, mask=tile_mask, other=0.0).to(tl.float32)
         logits = group_logits(query, key, scale, softcap, SOFTCAP, DOT_PRECISION)
         logits = tl.where(key_ok[None, :], logits, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(logits, axis=1))  # finite: every tile has a token
-        rescale = tl.exp(running_max - new_max)
-        probs = tl.exp(logits - new_max[:, None])
-        running_sum = running_sum * rescale + tl.sum(probs, axis=1)
-        running_max = new_max
+        probs, rescale, running_max, running_sum = softmax_step(logits, running_max, running_sum)
         value = tl.load(tile_at + head_size, mask=tile_mask, other=0.0).to(tl.float32)
         accumulator = accumulator * rescale[:, None] + tl.dot(probs, value, input_precision=DOT_PRECISION)
 
