@@ -17,6 +17,10 @@ os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
 import pytest  # noqa: E402
 
+# Before anything imports Triton: its interpreter must be on when `triton.language` is first
+# imported (its own library functions are decorated then), and vLLM imports it (see triton_setup).
+import triton_setup  # noqa: E402,F401
+
 VENV_BIN = Path(sys.executable).parent
 BLOCK_SIZE = 32
 

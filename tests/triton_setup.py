@@ -2,8 +2,10 @@
 Triton's interpreter on CPU. They use no conftest fixture and never import vLLM, so on a GPU
 machine without vLLM they run as `pytest -m triton --noconftest tests/`.
 
-Triton reads ``TRITON_INTERPRET`` when a kernel is decorated (at import) and again at its first
-launch; conftest takes the variable away again after collection and sets it around each
+Triton reads ``TRITON_INTERPRET`` when a kernel is decorated (at import, also its own library
+functions such as ``tl.zeros``, decorated when ``triton.language`` is first imported) and again
+at its first launch. So conftest imports this module before anything imports Triton (vLLM
+does); it takes the variable away again after collection and sets it around each
 ``triton``-marked test only, so the engines other tests start never see it."""
 
 import os
