@@ -30,6 +30,9 @@ if [ ! -f "$STAMP" ]; then
   touch "$STAMP"
 fi
 
+# Test-only: property-based fuzzing of the settings (tests/test_fuzz_config.py).
+"$PY" -c "import hypothesis" 2>/dev/null || "$PY" -m pip install -q hypothesis
+
 log "installing vllm-kvprune (editable) and building its C++ extension"
 "$PY" -m pip install -q --no-build-isolation --no-deps -e "$ROOT"
 

@@ -88,7 +88,7 @@ def assert_parity(llm, reference_model, prompt_ids: list[list[int]], settings: d
 
 @pytest.fixture(scope="class")
 def gvote_llm(tiny_model):
-    with engine(tiny_model, {"name": "gvote"}, kv_blocks=512) as llm:
+    with engine(tiny_model, {"name": "gvote"}, kv_blocks=512, disable_log_stats=False) as llm:
         yield llm
 
 
@@ -124,12 +124,42 @@ class TestSharedEngine:
         assert not runner_of(gvote_llm).kv_state.requests or all(
             rid in runner_of(gvote_llm).requests for rid in runner_of(gvote_llm).kv_state.requests)
 
+    def test_metrics_split_every_cached_token_into_kept_and_evicted(self, gvote_llm):
+        """`LLM.get_metrics()`: per request, kept (mean over heads) + evicted = tokens cached,
+        and the most any head kept is at least the mean (heads keep different counts)."""
+        prompt_ids, gen = prompts((300, 120), seed=8), 30
+        before = kvprune_totals(gvote_llm)
+        gvote_llm.generate([{"prompt_token_ids": p} for p in prompt_ids], greedy(gen, **SPARSE), use_tqdm=False)
+        after = kvprune_totals(gvote_llm)
+
+        def grew(key):
+            return after.get(key, 0.0) - before.get(key, 0.0)
+
+        cached = sum(len(p) + gen - 1 for p in prompt_ids)
+        evicted, kept = grew(("vllm:kvprune_tokens_evicted", None)), grew(("vllm:kvprune_request_kept_tokens", "mean"))
+        # vLLM's reader gives counters as integers: the fractional part of a mean is cut off
+        assert evicted > 0 and 0 <= cached - (evicted + kept) < 1
+        assert grew(("vllm:kvprune_request_kept_tokens", "max")) > kept
+
     def test_bad_per_request_settings_are_refused(self, gvote_llm):
         from vllm.exceptions import VLLMValidationError
 
         for bad in ({"kv_gvote_p": 0}, {"kv_gvote_p": 1.5}, {"kv_gvote_samples": 0}, {"kv_budget": 64}):
             with pytest.raises(VLLMValidationError, match=next(iter(bad))):
                 gvote_llm.generate([{"prompt_token_ids": [1, 2, 3]}], greedy(2, **bad), use_tqdm=False)
+
+
+def kvprune_totals(llm) -> dict:
+    """Our metrics from `LLM.get_metrics()`, summed over labels but `heads`: a counter's or
+    gauge's value, a histogram's sum."""
+    from vllm.v1.metrics.reader import Histogram
+
+    totals: dict = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:kvprune_") or metric.name == "vllm:num_preemptions":
+            key = (metric.name, metric.labels.get("heads"))
+            totals[key] = totals.get(key, 0.0) + (metric.sum if isinstance(metric, Histogram) else metric.value)
+    return totals
 
 
 def test_preemption_and_chunked_prefill(tiny_model, reference_model):
@@ -140,7 +170,7 @@ def test_preemption_and_chunked_prefill(tiny_model, reference_model):
     prompt_ids = prompts((300, 280, 260, 240), seed=6)
     params = [greedy(120, **SPARSE)] * len(prompt_ids)
     with engine(tiny_model, {"name": "gvote"}, kv_blocks=40, max_model_len=1024,
-                max_num_batched_tokens=128) as llm:
+                max_num_batched_tokens=128, disable_log_stats=False) as llm:
         most = 0
 
         def watch() -> None:
@@ -150,6 +180,8 @@ def test_preemption_and_chunked_prefill(tiny_model, reference_model):
 
         squeezed = run_steps(llm, prompt_ids, params, on_step=watch)
         assert all_blocks_free(llm)
+        counted = kvprune_totals(llm)  # ours, per policy, against vLLM's own count
+        assert counted[("vllm:kvprune_preemptions", None)] == counted[("vllm:num_preemptions", None)] > 0
         ample = llm.generate([{"prompt_token_ids": p} for p in prompt_ids[:1]], params[0], use_tqdm=False)
         assert_parity(llm, reference_model, prompts((300,), seed=3), SPARSE)
     assert most > 0, "the pool was not small enough to preempt anything"

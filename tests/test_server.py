@@ -59,3 +59,58 @@ def test_per_request_budget_changes_the_output(server):
     large = requests.post(f"{base}/v1/completions", json={**long, "vllm_xargs": {"kv_budget": 1024}}, timeout=120)
     assert small.status_code == large.status_code == 200
     assert small.json()["choices"][0]["text"] != large.json()["choices"][0]["text"]
+
+
+# ---- metrics on vLLM's own /metrics (vllm_kvprune.metrics) -----------------------------------
+def _scrape(base: str) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(f"{base}/metrics", timeout=30).text
+    return {(sample.name, frozenset(sample.labels.items())): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples
+            if sample.name.startswith("vllm:kvprune_")}
+
+
+def _total(values: dict, name: str, **labels) -> float:
+    return sum(value for (found, their), value in values.items()
+               if found == name and all((key, str(wanted)) in their for key, wanted in labels.items()))
+
+
+def test_metrics_count_what_the_policy_did(server):
+    """One request alone: every token it ran is either kept or evicted (the worker's count),
+    its saving is the blocks it did not hold, each of its steps was planned, and nothing is
+    held once it is done."""
+    base, model = server
+    before = _scrape(base)
+    body = {"model": model, "prompt": "The quick brown fox", "max_tokens": 80, "temperature": 0, "ignore_eos": True,
+            "vllm_xargs": {"kv_budget": 32}}
+    answer = requests.post(f"{base}/v1/completions", json=body, timeout=120)
+    assert answer.status_code == 200, answer.text
+    after = _scrape(base)
+
+    def grew(name: str, **labels) -> float:
+        return _total(after, name, **labels) - _total(before, name, **labels)
+
+    cached = answer.json()["usage"]["prompt_tokens"] + 80 - 1  # the last token sampled is never cached
+    evicted = grew("vllm:kvprune_tokens_evicted_total", policy="streaming", model_name=model)
+    kept = grew("vllm:kvprune_request_kept_tokens_sum", policy="streaming", heads="mean")
+    assert grew("vllm:kvprune_request_kept_tokens_count", heads="mean") == 1
+    assert 32 <= kept < cached and evicted + kept == cached
+    assert grew("vllm:kvprune_request_kept_tokens_sum", heads="max") == kept  # streaming: every head alike
+    saved = grew("vllm:kvprune_request_blocks_saved_sum", policy="streaming")
+    assert 0 < saved < -(-cached // 32)  # it held at least one block, fewer than all of them
+    assert grew("vllm:kvprune_step_seconds_count", phase="plan") >= 80
+    assert grew("vllm:kvprune_blocks_returned_total") >= 0
+    assert _total(after, "vllm:kvprune_blocks_held") == 0 and _total(after, "vllm:kvprune_blocks_without_pruning") == 0
+
+
+def test_metrics_count_refused_requests_by_setting(server):
+    base, model = server
+    before = _scrape(base)
+    assert _complete(base, model, {"kv_budget": 0}).status_code == 400
+    assert _complete(base, model, {"kv_sinks": 64}).status_code == 400
+    after = _scrape(base)
+    for setting in ("kv_budget", "kv_sinks"):
+        grown = (_total(after, "vllm:kvprune_requests_rejected_total", setting=setting)
+                 - _total(before, "vllm:kvprune_requests_rejected_total", setting=setting))
+        assert grown == 1, setting

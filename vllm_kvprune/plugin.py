@@ -70,12 +70,23 @@ def register() -> None:
         vllm_hooks.install_memory_hint(_memory_hint)
         vllm_hooks.install_prompt_check(check_prompt)
         vllm_hooks.install_backend(BACKEND_CLS)
+        _install_metrics()
     except Exception as exc:  # noqa: BLE001 - a broken plugin must not take vLLM down
         _install_error = exc
         logger.exception(
             "vllm-kvprune failed to install into vLLM; every KV policy other than 'none' "
             "will refuse to start until this is fixed"
         )
+
+
+def _install_metrics() -> None:
+    """The snapshot folder the engine processes started from here will write to, and the
+    collector that shows their numbers on /metrics (`vllm_kvprune.metrics`)."""
+    from vllm_kvprune import metrics
+    from vllm_kvprune.metrics.exporter import register_collector
+
+    metrics.metrics_dir(create=True)
+    register_collector()
 
 
 class _ToVllmLogger(logging.Handler):
@@ -272,7 +283,17 @@ def check_prompt(vllm_config, num_prompt_tokens: int) -> None:
     usable = vllm_hooks.reported_pool_blocks(vllm_config)
     if not policy.active or usable is None:
         return
-    admission.check_prompt_fits(policy, num_prompt_tokens, vllm_config.cache_config.block_size, usable)
+    try:
+        admission.check_prompt_fits(policy, num_prompt_tokens, vllm_config.cache_config.block_size, usable)
+    except KVConfigError as exc:
+        _count_rejection(vllm_config, exc.setting)
+        raise
+
+
+def _count_rejection(vllm_config, setting: str) -> None:
+    from vllm_kvprune.metrics.exporter import record_rejection
+
+    record_rejection(vllm_config, setting)
 
 
 # ---- per request: HTTP 400 for a bad override --------------------------------------------
@@ -301,6 +322,7 @@ def _request_validator_cls():
                     admission.check_request_fits(policy, sampling_params.extra_args, _frontend_block_size,
                                                  _frontend_vllm_config.model_config.max_model_len, usable)
             except KVConfigError as exc:
+                _count_rejection(_frontend_vllm_config, exc.setting)
                 raise VLLMValidationError(str(exc), parameter=exc.setting) from None
 
         def __init__(self, vllm_config, device, is_pin_memory) -> None:

@@ -110,9 +110,11 @@ HOOKS: tuple[Hook, ...] = (
     Hook("read", "vllm.v1.core.block_pool:BlockPool.free_blocks", "returns trimmed blocks", ("self",)),
     Hook("read", "vllm.v1.core.block_pool:BlockPool", "the pool's size", attributes=("num_gpu_blocks",)),
     Hook("base", f"{_SCHED}:Scheduler", "per-request policies",
-         attributes=("kv_cache_manager", "requests", "running", "max_model_len", "grammar_compile_error_reqs")),
+         attributes=("kv_cache_manager", "requests", "running", "max_model_len", "grammar_compile_error_reqs",
+                     "log_stats")),
     Hook("override", f"{_SCHED}:Scheduler.add_request", "records the request's policy", ("self", "request")),
-    Hook("override", f"{_SCHED}:Scheduler._free_request", "forgets it", ("self", "request")),
+    Hook("override", f"{_SCHED}:Scheduler._free_request", "forgets it; a finished request's saving (metrics)",
+         ("self", "request")),
     Hook("override", f"{_SCHED}:Scheduler._reserve_prefill_lookahead", "policy-shaped step boundaries",
          ("self", "request", "num_computed_tokens", "num_new_tokens")),
     Hook("read", "vllm.v1.core.kv_cache_coordinator:KVCacheCoordinator", "the scheduler's managers",
@@ -172,11 +174,17 @@ HOOKS: tuple[Hook, ...] = (
     Hook("read", "vllm.distributed.parallel_state:get_tp_group", "block scores summed over TP ranks", ()),
     # Head-pages (gvote): the worker reports each request's footprint on the step output, the
     # scheduler frees and allocates by it; attention runs per (request, KV head) sequence.
-    Hook("override", f"{_RUNNER}:CPUModelRunner.sample_tokens", "reports head-page footprints",
+    Hook("override", f"{_RUNNER}:CPUModelRunner.sample_tokens", "reports footprints, kept tokens, policy time",
          ("self", "grammar_output")),
     Hook("read", "vllm.v1.outputs:ModelRunnerOutput", "carries the footprints", attributes=("req_ids",)),
-    Hook("override", f"{_SCHED}:Scheduler.update_from_output", "frees what a vote gave back",
+    Hook("override", f"{_SCHED}:Scheduler.update_from_output", "frees what a vote gave back; metrics",
          ("self", "scheduler_output", "model_runner_output")),
+    # Metrics (`vllm_kvprune.metrics`): counted where vLLM preempts, frees and shuts down.
+    Hook("override", f"{_SCHED}:Scheduler._preempt_request", "counts preemptions", ("self", "request", "timestamp")),
+    Hook("override", f"{_SCHED}:Scheduler.shutdown", "removes the engine's metrics snapshot", ("self",)),
+    Hook("read", "vllm.v1.core.sched.output:SchedulerOutput", "tokens each request ran",
+         attributes=("num_scheduled_tokens",)),
+    Hook("read", "vllm.v1.metrics.prometheus:get_prometheus_registry", "where /metrics reads", ()),
     Hook("read", "vllm._custom_ops:cpu_attn_get_scheduler_metadata", "schedules head-page attention",
          ("num_reqs", "num_heads", "num_kv_heads", "head_dim", "seq_lens", "dtype", "query_start_loc", "causal",
           "sliding_window_size", "isa", "enable_kv_split")),
@@ -589,21 +597,26 @@ def attention_schedule(builder: Any, num_reqs: int, num_heads: int, num_kv_heads
         kv_cache_dtype=builder.kv_cache_dtype)
 
 
-FOOTPRINTS_ATTRIBUTE = "kvprune_footprints"
+STEP_REPORT_ATTRIBUTE = "kvprune_step_report"
 
 
-def attach_footprints(output: Any, footprints: dict) -> Any:
-    """The step output with each head-page request's block need attached (a shallow copy:
-    vLLM may hand out a shared empty output)."""
+def attach_step_report(output: Any, report: dict) -> Any:
+    """The step output with the worker's step report attached (`WorkerKVState.step_report`:
+    kept tokens, policy time, head-page footprints); a shallow copy: vLLM may hand out a
+    shared empty output. A plain attribute, so it survives pickling to the engine core."""
     import copy
 
     output = copy.copy(output)
-    setattr(output, FOOTPRINTS_ATTRIBUTE, footprints)
+    setattr(output, STEP_REPORT_ATTRIBUTE, report)
     return output
 
 
+def step_report_of(output: Any) -> dict:
+    return getattr(output, STEP_REPORT_ATTRIBUTE, None) or {}
+
+
 def footprints_of(output: Any) -> dict:
-    return getattr(output, FOOTPRINTS_ATTRIBUTE, None) or {}
+    return step_report_of(output).get("footprints") or {}
 
 
 def attention_isa(dtype: Any, block_size: int, head_size: int) -> str:

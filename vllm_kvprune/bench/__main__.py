@@ -14,6 +14,8 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "worker_memory",
     "gvote",
     "fdc_attention",
+    "fdc_accuracy",
+    "metrics_overhead",
     "gpu_kernels",
     "accuracy",
     "results_page",

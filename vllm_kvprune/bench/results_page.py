@@ -108,6 +108,11 @@ def render(results_dir: Path, page_path: Path) -> str:
         loaded = [(f"fdc/{path.name}", sections.load(path)) for path in sorted(fdc_folder.glob("*.json"))]
         documents += [(name, document) for name, document in loaded if "machine" in document]
 
+    overhead = results_dir / "metrics_overhead.json"
+    if overhead.is_file():
+        documents.append((overhead.name, sections.load(overhead)))
+        parts += ["## Metrics", sections.metrics_overhead_section(overhead, page_path.parent)]
+
     gpu_kernels = results_dir / "gpu" / "kernels.json"
     gpu_part = sections.gpu_section(gpu_kernels, page_path.parent) if gpu_kernels.is_file() else ""
     if gpu_part:

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shlex
+import statistics
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -324,6 +325,9 @@ def fdc_section(folder: Path, doc_dir: Path) -> str:
                   fdc_calibration_table(found),
                   "Perplexity of essay text through the compressed cache (reference), adaptive ranks and every "
                   "head at the mean ranks (the paper's ablation):", fdc_perplexity_table(found)]
+    accuracy = folder / "accuracy.json"
+    if accuracy.is_file():
+        parts.append(fdc_accuracy_section(accuracy, doc_dir))
     served = [folder / f"{stem}.json" for stem in FDC_THROUGHPUT if (folder / f"{stem}.json").is_file()]
     if served:
         parts.append(throughput_section(served, doc_dir))
@@ -345,6 +349,38 @@ def fdc_section(folder: Path, doc_dir: Path) -> str:
                                   markdown_table(["case", "ms/layer", "KV kept", "vs vLLM full", "vs ours full"], rows),
                                   notes, attention, doc_dir))
     return "\n\n".join(parts)
+
+
+def fdc_accuracy_section(path: Path, doc_dir: Path) -> str:
+    """`bench fdc-accuracy`: the accuracy suite served with fdc at each setting, and the 99% point."""
+    document = load(path)
+    settings, summary = document.get("settings", {}), document.get("summary", {})
+    calibration = settings.get("calibration", {})
+    setup = (f"Served engines (`--kv-policy fdc`), SmolLM2-135M-Instruct in {settings.get('dtype', MISSING)}, the "
+             f"accuracy suite's cases (seed {settings.get('seed', MISSING)}). One calibration: "
+             f"{calibration.get('tokens', MISSING)} essay tokens from token {calibration.get('essay_offset', MISSING)} "
+             "(text no task reads). KV kept: the packed cache per token over the full one; pool tokens: the pool's "
+             "blocks for the same bytes over `none`'s (vLLM sizes every layer by the widest).")
+    table = document.get("table", {})
+    chosen = summary.get("at_99_percent")
+    notes = [f"Largest compression at >= 99% of `none`'s mean hit rate (needle, key-value retrieval, arithmetic): "
+             f"{chosen if chosen is not None else 'none of the settings'}"]
+    return file_section("FDC accuracy vs compression (`fdc/accuracy.json`)", document, setup,
+                        markdown_table(table.get("headers", []), table.get("rows", [])), notes, path, doc_dir)
+
+
+def metrics_overhead_section(path: Path, doc_dir: Path) -> str:
+    document = load(path)
+    settings = document.get("settings", {})
+    setup = (f"One engine, `{settings.get('policy', MISSING)}` at budget {settings.get('budget', MISSING)}, "
+             f"{settings.get('requests', MISSING)} requests of {settings.get('prompt_tokens', MISSING)} + "
+             f"{settings.get('gen_tokens', MISSING)} tokens, our metrics on and off in turn over "
+             f"{settings.get('rounds', MISSING)} rounds; vLLM's own stats on in both.")
+    rows = [[r["metrics"], f"{statistics.median(r['tokens_per_s']):.1f}",
+             " ".join(f"{v:.1f}" for v in r["tokens_per_s"])] for r in document.get("results", [])]
+    notes = [f"Overhead of our metrics: {document.get('overhead', 0):+.2%} of output tokens/s (goal <= 1%)"]
+    return file_section("Metrics overhead (`metrics_overhead.json`)", document, setup,
+                        markdown_table(["metrics", "tokens/s (median)", "runs"], rows), notes, path, doc_dir)
 
 
 # ---- machine -----------------------------------------------------------------------------

@@ -37,12 +37,18 @@ class KVPruneManager(FullAttentionManager):
         self._past_prompt: set[str] = set()
         # Footprint policies: blocks each request needs for its next step, from the worker.
         self._footprints: dict[str, int] = {}
+        # Told of every block `_trim` gives back (the scheduler's metrics), if bound.
+        self._on_returned: Callable[[str, int], None] | None = None
 
     def bind_policies(self, policy_of: PolicyLookup, prompt_of: PromptLookup | None = None) -> None:
         """Called by the scheduler, which owns the per-request policies and prompts."""
         self._policy_of = policy_of
         if prompt_of is not None:
             self._prompt_of = prompt_of
+
+    def bind_returned(self, on_returned: Callable[[str, int], None]) -> None:
+        """`on_returned(request_id, num_blocks)` after each trim (metrics)."""
+        self._on_returned = on_returned
 
     def block_limit(self, request_id: str) -> int | None:
         """Blocks the request may hold now (None: no limit)."""
@@ -99,6 +105,8 @@ class KVPruneManager(FullAttentionManager):
         surplus = blocks[limit:]
         del blocks[limit:]
         self.block_pool.free_blocks(reversed(surplus))
+        if self._on_returned is not None:
+            self._on_returned(request_id, len(surplus))
 
     def pop_blocks_for_free(self, request_id: str):
         # Finish, abort and preemption all come through here; a resumed request

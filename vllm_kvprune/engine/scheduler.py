@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from vllm_kvprune import vllm_hooks
+from vllm_kvprune import metrics, vllm_hooks
 from vllm_kvprune.config import KVPolicyConfig, policy_from_vllm_config
 from vllm_kvprune.engine.manager import KVPruneManager
 from vllm_kvprune.vllm_hooks import Scheduler
@@ -57,6 +57,16 @@ class KVPruneScheduler(Scheduler):
             for manager in managers if not isinstance(manager, KVPruneManager)
         )
         self._log_capacity()
+        # Metrics (vllm_kvprune.metrics): counted when vLLM logs stats and a policy is on.
+        folder = metrics.metrics_dir()
+        self.kvprune_stats = None
+        if self.log_stats and folder and self.kv_policy.active:
+            from vllm_kvprune.metrics.engine import EngineStats
+
+            self.kvprune_stats = EngineStats(vllm_config, folder)
+            for manager in self.kvprune_managers:
+                manager.bind_returned(self._count_returned)
+            self._write_stats(force=True)
 
     def _prompt_tokens(self, request_id: str) -> int | None:
         request = self.requests.get(request_id)
@@ -113,6 +123,8 @@ class KVPruneScheduler(Scheduler):
                     needed, self.usable_blocks,
                 )
                 vllm_hooks.fail_at_next_step(self, request.request_id)
+                if self.kvprune_stats is not None:
+                    self.kvprune_stats.rejected("prompt")
 
     def update_from_output(self, scheduler_output, model_runner_output):
         # Head-page policies: what each voted request needs for its next token, as the worker
@@ -121,12 +133,60 @@ class KVPruneScheduler(Scheduler):
             if request_id in self.requests:
                 for manager in self.kvprune_managers:
                     manager.set_footprint(request_id, num_blocks)
-        return super().update_from_output(scheduler_output, model_runner_output)
+        if self.kvprune_stats is not None:  # before vLLM frees what finished in this step
+            self.kvprune_stats.step(vllm_hooks.step_report_of(model_runner_output),
+                                    scheduler_output.num_scheduled_tokens, self.request_policies.get,
+                                    self.kv_policy.name)
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if self.kvprune_stats is not None:
+            self._write_stats(force=not self.has_unfinished_requests())
+        return outputs
 
     def _free_request(self, request, *args, **kwargs):
+        policy = self.request_policies.get(request.request_id)
+        if self.kvprune_stats is not None and policy is not None and policy.active and request.num_computed_tokens:
+            self.kvprune_stats.finished(request.request_id, policy.name, self._policy_blocks(request.request_id),
+                                        self._unpruned_blocks(request))
         result = super()._free_request(request, *args, **kwargs)
         self.request_policies.pop(request.request_id, None)
         return result
+
+    def _preempt_request(self, request, *args, **kwargs):
+        policy = self.request_policies.get(request.request_id)
+        if self.kvprune_stats is not None and policy is not None and policy.active:
+            self.kvprune_stats.preempted(request.request_id, policy.name)
+        return super()._preempt_request(request, *args, **kwargs)
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        if self.kvprune_stats is not None:
+            self.kvprune_stats.remove()
+
+    # ---- metrics --------------------------------------------------------------------------
+    def _count_returned(self, request_id: str, num_blocks: int) -> None:
+        if self.kvprune_stats is None:
+            return
+        policy = self.request_policies.get(request_id)
+        self.kvprune_stats.returned(num_blocks, policy.name if policy is not None else self.kv_policy.name)
+
+    def _policy_blocks(self, request_id: str) -> int:
+        """Real blocks the request holds in the policy's own KV-cache groups."""
+        return sum(sum(1 for block in manager.req_to_blocks.get(request_id, ()) if not block.is_null)
+                   for manager in self.kvprune_managers)
+
+    def _unpruned_blocks(self, request) -> int:
+        """Blocks the request would hold in those groups without the policy."""
+        if not self.kvprune_managers:
+            return 0
+        return -(-request.num_computed_tokens // self.kvprune_managers[0].block_size) * len(self.kvprune_managers)
+
+    def _write_stats(self, force: bool = False) -> None:
+        stats = self.kvprune_stats
+        if not stats.due(force):
+            return
+        stats.set_gauge("blocks_held", float(sum(self._policy_blocks(r.request_id) for r in self.running)))
+        stats.set_gauge("blocks_without_pruning", float(sum(self._unpruned_blocks(r) for r in self.running)))
+        stats.write()
 
     def _reserve_prefill_lookahead(self, request, num_computed_tokens: int, num_new_tokens: int) -> int:
         num_new_tokens = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)

@@ -93,11 +93,16 @@ class FdcCalibration:
     def head_dim(self) -> int:
         return int(self.qk_rotation.shape[-1])
 
-    def with_rate(self, rate: float) -> "FdcCalibration":
-        """The same rotations with the ranks a removal rate ``rate`` gives (Eq. 1)."""
+    def with_rate(self, rate: float, v_rate: float | None = None) -> "FdcCalibration":
+        """The same rotations with the ranks a removal rate ``rate`` gives (Eq. 1); V at its
+        own rate ``v_rate`` if given (the paper shares one; 0 keeps V whole)."""
+        v_rate = rate if v_rate is None else v_rate
+        settings = {**self.settings, "rate": rate}
+        if v_rate != rate:
+            settings["v_rate"] = v_rate
         return dataclasses.replace(
-            self, qk_rank=ranks_for_rate(self.qk_singular, rate), v_rank=ranks_for_rate(self.v_singular, rate),
-            settings={**self.settings, "rate": rate},
+            self, qk_rank=ranks_for_rate(self.qk_singular, rate), v_rank=ranks_for_rate(self.v_singular, v_rate),
+            settings=settings,
         )
 
     def with_uniform_ranks(self, qk_rank: int, v_rank: int) -> "FdcCalibration":

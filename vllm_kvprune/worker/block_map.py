@@ -49,6 +49,10 @@ class LayerBlockMap:
     def num_layers(self) -> int:
         return self.order.shape[0]
 
+    def kept_tokens(self) -> tuple[float, int]:
+        """Tokens held (mean and max over layers: every layer holds the same count)."""
+        return float(self.num_valid), self.num_valid
+
     @property
     def num_blocks(self) -> int:
         """Blocks in use or free, in every layer."""

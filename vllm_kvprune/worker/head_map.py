@@ -41,6 +41,10 @@ class HeadSlotMap:
     def num_layers(self) -> int:
         return self._shape[0]
 
+    def kept_tokens(self) -> tuple[float, int]:
+        """Tokens held (mean and max over heads and layers: every head holds the same count)."""
+        return float(self.num_valid), self.num_valid
+
     @property
     def num_heads(self) -> int:
         return self._shape[1]

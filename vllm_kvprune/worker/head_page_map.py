@@ -46,6 +46,12 @@ class HeadPageMap:
     def is_paged(self) -> bool:
         return self.lengths is not None and bool(self._voted.all())
 
+    def kept_tokens(self) -> tuple[float, int]:
+        """Tokens held per (layer, KV head): their mean and the largest."""
+        if self.lengths is None:
+            return float(self.num_uniform), self.num_uniform
+        return float(self.lengths.mean()), int(self.lengths.max())
+
     # ---- while uniform ----------------------------------------------------------------
     def append_uniform(self, num_new: int) -> np.ndarray:
         """Prompt tokens, every head the same slot; returns their token indices `[q]`."""

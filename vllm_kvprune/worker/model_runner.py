@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from vllm_kvprune import vllm_hooks
+from vllm_kvprune import metrics, vllm_hooks
 from vllm_kvprune.config import policy_from_vllm_config
 from vllm_kvprune.engine.spec import FdcSpec, KVPruneSpec
 from vllm_kvprune.vllm_hooks import CPUModelRunner, SlidingWindowSpec
@@ -147,10 +147,8 @@ class KVPruneCPUModelRunner(CPUModelRunner):
 
     def sample_tokens(self, *args, **kwargs):
         output = super().sample_tokens(*args, **kwargs)
-        if isinstance(self.kv_state.scores, PagedLayers):
-            footprints = self.kv_state.footprints()
-            if footprints and hasattr(output, "req_ids"):
-                output = vllm_hooks.attach_footprints(output, footprints)
+        if self.kv_state.engine_config.active and hasattr(output, "req_ids"):
+            output = vllm_hooks.attach_step_report(output, self.kv_state.step_report(metrics.enabled()))
         return output
 
     def _update_states(self, scheduler_output):

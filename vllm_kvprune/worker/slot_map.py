@@ -29,6 +29,10 @@ class SlotMap:
     def num_valid(self) -> int:
         return len(self.logical)
 
+    def kept_tokens(self) -> tuple[float, int]:
+        """Tokens held (mean and max over heads and layers: every one holds the same)."""
+        return float(self.num_valid), self.num_valid
+
     def append(self, positions: np.ndarray) -> np.ndarray:
         """Put new tokens in the next free slots; returns their slot indices."""
         start = self.num_valid

@@ -51,6 +51,14 @@ class RequestKVState:
     hidden_sumsq: torch.Tensor | None = None
     hidden_count: torch.Tensor | None = None
 
+    def kept_tokens(self) -> tuple[float, int]:
+        """Tokens the cache holds for this request: mean and max over layers and KV heads,
+        from whichever map the policy keeps."""
+        for held in (self.pages, self.heads, self.blocks):
+            if held is not None:
+                return held.kept_tokens()
+        return self.slots.kept_tokens()
+
 
 class LayerScores:
     """Per-slot token scores of every layer, `[layers, num_blocks * block_size]`, indexed by
@@ -157,6 +165,8 @@ class WorkerKVState:
         # the benchmarks.
         self.plan_seconds = 0.0
         self.score_seconds = 0.0
+        self._reported_seconds = (0.0, 0.0)  # plan and score time already in a step report
+        self._planned: list[str] = []  # requests of the steps planned since the last report
         # > 0 while the runner runs a profiling or warm-up batch (no requests: not planned).
         self.dummy_runs = 0
         # FDC's rotations and packed widths (`fdc` policy), loaded with the model.
@@ -202,6 +212,22 @@ class WorkerKVState:
             self.requests[request_id] = state
         return state
 
+    def step_report(self, with_metrics: bool = True) -> dict:
+        """What the scheduler needs from this step: head-page footprints, and for its metrics
+        (`vllm_kvprune.metrics`) the tokens each of the step's requests keeps now (mean and max
+        over layers and KV heads) and the planning and scoring time since the last report."""
+        report: dict = {}
+        if with_metrics:
+            report["kept"] = {request_id: self.requests[request_id].kept_tokens()
+                              for request_id in self._planned if request_id in self.requests}
+        self._planned = []
+        plan, score = self._reported_seconds
+        report["seconds"] = {"plan": self.plan_seconds - plan, "score": self.score_seconds - score}
+        self._reported_seconds = (self.plan_seconds, self.score_seconds)
+        if isinstance(self.scores, PagedLayers):
+            report["footprints"] = self.footprints()
+        return report
+
     def footprints(self) -> dict[str, int]:
         """Blocks each voted request needs for its next step (head-page policies), for the
         scheduler: what it frees and what it allocates before that step."""
@@ -233,6 +259,7 @@ class WorkerKVState:
                 block_row=rows.block_rows[row],
             )
         plan = builder.finish()
+        self._planned.extend(rows.req_ids)
         self.plan_seconds += time.perf_counter() - started
         return plan
 

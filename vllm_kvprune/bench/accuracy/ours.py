@@ -21,6 +21,8 @@ from vllm_kvprune.bench.accuracy.kvpress_side import matched_runs
 from vllm_kvprune.bench.accuracy.report import BUDGET_FREE, OURS, default_setting
 from vllm_kvprune.bench.accuracy.task import Answer, Case, Task
 
+# Policies that keep every token (fdc narrows them instead): one run per case, no budget.
+WHOLE_CACHE = ("none", "fdc")
 ENGINE_OPTIONS: dict[str, Any] = dict(dtype="bfloat16", block_size=32, max_model_len=8192, max_num_seqs=32,
                                       enable_prefix_caching=False, seed=0)
 
@@ -48,7 +50,7 @@ def policy_runs(policy: str, task: Task, cases: Sequence[Case], gvote: Sequence[
     """What one policy runs of a task: `none` once per case, a budgeted policy at each of the
     task's budgets, a budget-free one at each setting. Teacher-forced tasks (perplexity: a
     one-token prompt) give a vote nothing to choose from, so budget-free policies skip them."""
-    if policy == "none":
+    if policy in WHOLE_CACHE:
         return [Run(case, None) for case in cases]
     if policy in BUDGET_FREE:
         return [] if any(c.forced_ids is not None for c in cases) else [
@@ -57,13 +59,16 @@ def policy_runs(policy: str, task: Task, cases: Sequence[Case], gvote: Sequence[
 
 
 def build_engine(model: str, policy: str, budget: int | None, sinks: int, pool_gib: float,
-                 **overrides: Any):
-    """`overrides`: engine options that replace ENGINE_OPTIONS' (`dtype`, `enforce_eager`)."""
+                 policy_config: dict[str, Any] | None = None, **overrides: Any):
+    """`overrides`: engine options that replace ENGINE_OPTIONS' (`dtype`, `enforce_eager`);
+    `policy_config`: the whole `kv_policy` config, instead of one made from the arguments."""
     from vllm import LLM
 
     options = dict(ENGINE_OPTIONS, model=model, kv_cache_memory_bytes=int(pool_gib * 2**30),
                    logits_processors=[ForcedTokens], **overrides)
-    if policy in BUDGET_FREE:
+    if policy_config is not None:
+        options["additional_config"] = {"kv_policy": dict(policy_config)}
+    elif policy in BUDGET_FREE:
         options["additional_config"] = {"kv_policy": {"name": policy}}
     elif policy != "none":
         options["additional_config"] = {"kv_policy": {"name": policy, "budget": budget, "sinks": sinks}}
@@ -135,13 +140,17 @@ def generate_measured(llm: Any, runs: Sequence[Run], progress: bool = True) -> l
 
 def run_policy(model: str, policy: str, work: Sequence[tuple[Task, list[Case]]],
                sinks: int, pool_gib: float, kvpress_work: Sequence[tuple[Task, list[Case]]] = (),
-               gvote: Sequence[dict[str, Any]] = (), **overrides: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+               gvote: Sequence[dict[str, Any]] = (), policy_config: dict[str, Any] | None = None,
+               **overrides: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Records and timings of one policy (`none`: the full cache, budget None) on every task;
     each record with the KV blocks its request held (`kv_blocks`) and its per-request settings.
     The runs kvpress makes of `kvpress_work` are then timed again on their own, so the two
-    sides' wall times cover the same prompts and budgets."""
+    sides' wall times cover the same prompts and budgets. Every timing carries the engine's pool
+    size in blocks (`pool_blocks`), so narrower blocks show as more of them."""
     all_budgets = {b for task, _ in work for b in task.budgets}
-    llm = build_engine(model, policy, max(all_budgets) if policy != "none" else None, sinks, pool_gib, **overrides)
+    llm = build_engine(model, policy, max(all_budgets) if policy not in WHOLE_CACHE else None, sinks, pool_gib,
+                       policy_config, **overrides)
+    pool_blocks = common.engine_scheduler(llm).kv_cache_manager.block_pool.num_gpu_blocks
     records, timings = [], []
     try:
         for task, cases in work:
@@ -153,7 +162,7 @@ def run_policy(model: str, policy: str, work: Sequence[tuple[Task, list[Case]]],
             measured = generate_measured(llm, runs)
             seconds = time.perf_counter() - started
             timings.append({"system": OURS, "method": policy, "task": task.name, "seconds": seconds, "runs": len(runs),
-                            "cases": "all"})
+                            "cases": "all", "pool_blocks": pool_blocks})
             for run, result in zip(runs, measured):
                 record = task.record(run.case, OURS, policy, run.budget, answer_of(result.output))
                 record["kv_blocks"] = result.blocks

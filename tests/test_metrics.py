@@ -1,0 +1,104 @@
+"""The metrics' two halves without an engine: the engine core's totals (`metrics/engine.py`)
+and the front end's collector over their snapshot files (`metrics/exporter.py`), read back
+through Prometheus' own text format. The engines' side is tested on real engines in
+test_server.py (`/metrics` of a real server) and test_gvote_engine.py (`LLM.get_metrics()`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+from vllm_kvprune import metrics
+from vllm_kvprune.metrics.engine import EngineStats
+from vllm_kvprune.metrics.exporter import KVPruneCollector, read_snapshots, record_rejection
+
+
+def _config(name: str = "m", instance: str = "i1"):
+    return types.SimpleNamespace(model_config=types.SimpleNamespace(served_model_name=[name]),
+                                 parallel_config=types.SimpleNamespace(data_parallel_rank=0), instance_id=instance)
+
+
+def _policy(name: str):
+    return lambda request_id: types.SimpleNamespace(name=name)
+
+
+@pytest.fixture
+def folder(tmp_path, monkeypatch):
+    monkeypatch.setenv(metrics.DIR_ENV, str(tmp_path))
+    return tmp_path
+
+
+def _exposed() -> dict:
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    registry = CollectorRegistry()
+    registry.register(KVPruneCollector())
+    text = generate_latest(registry).decode()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_evictions_telescope_to_tokens_run_minus_tokens_kept(folder) -> None:
+    stats = EngineStats(_config(), str(folder))
+    # prompt of 100 (kept 64 after it), then 3 decodes at the budget: 100 + 3 - 64 evicted
+    stats.step({"kept": {"a": (64.0, 64)}}, {"a": 100}, _policy("streaming"), "streaming")
+    for _ in range(3):
+        stats.step({"kept": {"a": (64.0, 64)}}, {"a": 1}, _policy("streaming"), "streaming")
+    assert stats.counters[("tokens_evicted", (("policy", "streaming"),))] == 39
+    # preempted: it re-prefills from nothing, so the re-run prompt is not evicted again
+    stats.preempted("a", "streaming")
+    stats.step({"kept": {"a": (64.0, 64)}}, {"a": 64}, _policy("streaming"), "streaming")
+    assert stats.counters[("tokens_evicted", (("policy", "streaming"),))] == 39
+    stats.finished("a", "streaming", held_blocks=2, unpruned_blocks=5)
+    kept_mean = stats.histograms[("request_kept_tokens", (("heads", "mean"), ("policy", "streaming")))]
+    assert kept_mean.sum == 64 and sum(kept_mean.counts) == 1
+    saved = stats.histograms[("request_blocks_saved", (("policy", "streaming"),))]
+    assert saved.sum == 3 and saved.counts[saved.bounds.index(4.0)] == 1  # 3 falls in the bucket le=4
+
+
+def test_collector_shows_live_engines_as_prometheus_families(folder) -> None:
+    stats = EngineStats(_config("tiny"), str(folder))
+    stats.returned(3, "h2o")
+    stats.observe("step_seconds", 0.002, metrics.SECONDS_BUCKETS, policy="h2o", phase="plan")
+    stats.observe("step_seconds", 0.02, metrics.SECONDS_BUCKETS, policy="h2o", phase="plan")
+    stats.set_gauge("blocks_held", 7.0)
+    assert stats.due(force=True)
+    stats.write()
+    record_rejection(_config("tiny"), "kv_budget")
+    values = _exposed()
+    base = {("model_name", "tiny"), ("engine", "0")}
+    assert values[("vllm:kvprune_blocks_returned_total", frozenset(base | {("policy", "h2o")}))] == 3
+    assert values[("vllm:kvprune_blocks_held", frozenset(base))] == 7
+    plan = base | {("policy", "h2o"), ("phase", "plan")}
+    assert values[("vllm:kvprune_step_seconds_bucket", frozenset(plan | {("le", "0.001")}))] == 0
+    assert values[("vllm:kvprune_step_seconds_bucket", frozenset(plan | {("le", "0.003")}))] == 1
+    assert values[("vllm:kvprune_step_seconds_bucket", frozenset(plan | {("le", "+Inf")}))] == 2
+    assert values[("vllm:kvprune_step_seconds_count", frozenset(plan))] == 2
+    frontend = {("model_name", "tiny"), ("engine", "frontend"), ("setting", "kv_budget")}
+    assert values[("vllm:kvprune_requests_rejected_total", frozenset(frontend))] >= 1
+    stats.remove()
+    assert not any(name.startswith("vllm:kvprune_blocks_returned") for name, _ in _exposed())
+
+
+def test_a_dead_engines_snapshot_is_dropped(folder) -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    path = folder / f"engine-{dead.stdout.strip()}-x-0.json"
+    path.write_text(json.dumps({"labels": {}, "pid": int(dead.stdout), "counters": [], "gauges": [],
+                                "histograms": []}))
+    assert read_snapshots(str(folder)) == [] and not path.exists()
+
+
+def test_snapshots_are_written_only_when_due(folder) -> None:
+    stats = EngineStats(_config(), str(folder))
+    stats.write()
+    assert not stats.due(force=True)  # nothing changed
+    stats.rejected("prompt")
+    assert stats.due(force=True) and not stats.due()  # changed, but written moments ago
+    stats.write()
+    assert os.path.exists(stats.path) and read_snapshots(str(folder))[0]["counters"][0]["value"] == 1

@@ -1,0 +1,100 @@
+"""`python -m vllm_kvprune.bench metrics-overhead`: what our metrics cost a serving engine.
+
+One in-process engine with a policy and vLLM's stats on (`disable_log_stats=False`); the same
+batch runs again and again with our metrics on and off in turn (off: the scheduler keeps no
+totals and the worker reports no kept tokens, `VLLM_KVPRUNE_METRICS=0`), the order swapped every
+round so drift hits both alike. Tokens/s is output tokens over the wall time of `generate`; the
+overhead is 1 - (median on / median off). vLLM's own stats are on in both: they are the user's
+choice (`--disable-log-stats`), ours come on top of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+NAME = "metrics-overhead"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(NAME, help="our metrics on vs off, same engine, same batch", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--policy", default="streaming", choices=("streaming", "h2o", "paged_eviction", "gvote"))
+    parser.add_argument("--budget", type=int, default=128)
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--gen-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--tiny", action="store_true", help="the tiny random Llama (seconds; for tests)")
+    parser.add_argument("--out", default="results/metrics_overhead")
+    parser.set_defaults(run=run)
+
+
+def _switch(scheduler: Any, saved: Any, on: bool) -> None:
+    from vllm_kvprune import metrics
+
+    os.environ[metrics.SWITCH_ENV] = "1" if on else "0"  # the worker reads it every step
+    scheduler.kvprune_stats = saved if on else None
+
+
+def run(args: argparse.Namespace) -> int:
+    from vllm_kvprune.bench import common
+
+    for name, value in common.ENGINE_ENV.items():
+        os.environ.setdefault(name, value)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+
+    from vllm_kvprune import assets
+    from vllm_kvprune.bench.accuracy.task import essay_token_ids
+
+    model = str(assets.tiny_model_dir() if args.tiny else assets.real_model_dir())
+    policy: dict[str, Any] = {"name": args.policy}
+    if args.policy != "gvote":
+        policy.update(budget=args.budget, sinks=4)
+    llm = LLM(model=model, dtype="float32" if args.tiny else "bfloat16", block_size=32, max_model_len=4096,
+              enforce_eager=args.tiny, enable_prefix_caching=False, disable_log_stats=False, seed=0,
+              kv_cache_memory_bytes=1 << 30, additional_config={"kv_policy": policy})
+    from transformers import AutoTokenizer
+
+    essay = essay_token_ids(AutoTokenizer.from_pretrained(model)) if not args.tiny else list(range(3, 3000))
+    prompts = [{"prompt_token_ids": essay[i * 97: i * 97 + args.prompt_tokens]} for i in range(args.requests)]
+    params = SamplingParams(temperature=0, max_tokens=args.gen_tokens, ignore_eos=True)
+    scheduler = common.engine_scheduler(llm)
+    saved = scheduler.kvprune_stats
+    if saved is None:
+        raise SystemExit("metrics-overhead: the engine counts no metrics (is VLLM_KVPRUNE_METRICS=0 set?)")
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up: the same batch once
+    rates: dict[str, list[float]] = {"on": [], "off": []}
+    for round_index in range(args.rounds):
+        for mode in (("on", "off") if round_index % 2 == 0 else ("off", "on")):
+            _switch(scheduler, saved, mode == "on")
+            started = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            seconds = time.perf_counter() - started
+            rates[mode].append(sum(len(o.outputs[0].token_ids) for o in outputs) / seconds)
+    _switch(scheduler, saved, True)
+    common.shutdown(llm)
+    on, off = statistics.median(rates["on"]), statistics.median(rates["off"])
+    overhead = 1 - on / off
+    headers = ["metrics", "tokens/s (median)", "runs"]
+    rows = [["on", f"{on:.1f}", " ".join(f"{r:.1f}" for r in rates["on"])],
+            ["off", f"{off:.1f}", " ".join(f"{r:.1f}" for r in rates["off"])]]
+    common.print_table(headers, rows)
+    print(f"overhead of our metrics: {overhead:+.2%} (goal <= 1%)")
+    out = Path(args.out)
+    settings = {key: getattr(args, key) for key in ("policy", "budget", "requests", "prompt_tokens", "gen_tokens",
+                                                    "rounds", "tiny")}
+    common.write_json(out.with_suffix(".json"), NAME, settings, [{"metrics": k, "tokens_per_s": v}
+                                                                for k, v in rates.items()],
+                      median_on=on, median_off=off, overhead=overhead)
+    figure, axes = common.new_figure(4.0, 3.0)
+    axes.bar(["on", "off"], [on, off], color=["tab:blue", "tab:gray"])
+    axes.set_ylabel("output tokens/s (median)")
+    axes.set_title(f"our metrics: {overhead:+.2%}")
+    common.save_figure(figure, out.with_suffix(".png"))
+    return 0
