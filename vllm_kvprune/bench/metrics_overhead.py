@@ -1,4 +1,5 @@
-"""`python -m vllm_kvprune.bench metrics-overhead`: what our metrics cost a serving engine.
+"""`python -m vllm_kvprune.bench metrics-overhead`: what our metrics (or, with `--switch checks`,
+the debug invariant checks of `VLLM_KVPRUNE_CHECK=1`) cost a serving engine.
 
 One in-process engine with a policy and vLLM's stats on (`disable_log_stats=False`); the same
 batch runs again and again with our metrics on and off in turn (off: the scheduler keeps no
@@ -30,14 +31,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--gen-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tiny", action="store_true", help="the tiny random Llama (seconds; for tests)")
+    parser.add_argument("--switch", choices=("metrics", "checks"), default="metrics",
+                        help="what is turned on and off: our metrics, or the debug invariant checks")
     parser.add_argument("--out", default="results/metrics_overhead")
     parser.set_defaults(run=run)
 
 
-def _switch(scheduler: Any, saved: Any, on: bool) -> None:
+def _switch(what: str, scheduler: Any, saved: Any, on: bool) -> None:
     from vllm_kvprune import metrics
+    from vllm_kvprune.engine import checks
 
-    os.environ[metrics.SWITCH_ENV] = "1" if on else "0"  # the worker reads it every step
+    if what == "checks":
+        os.environ[checks.CHECK_ENV] = "1" if on else "0"  # the worker reads it every step
+        scheduler._checking = on
+        return
+    os.environ[metrics.SWITCH_ENV] = "1" if on else "0"
     scheduler.kvprune_stats = saved if on else None
 
 
@@ -72,29 +80,29 @@ def run(args: argparse.Namespace) -> int:
     rates: dict[str, list[float]] = {"on": [], "off": []}
     for round_index in range(args.rounds):
         for mode in (("on", "off") if round_index % 2 == 0 else ("off", "on")):
-            _switch(scheduler, saved, mode == "on")
+            _switch(args.switch, scheduler, saved, mode == "on")
             started = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
             seconds = time.perf_counter() - started
             rates[mode].append(sum(len(o.outputs[0].token_ids) for o in outputs) / seconds)
-    _switch(scheduler, saved, True)
+    _switch(args.switch, scheduler, saved, args.switch == "metrics")
     common.shutdown(llm)
     on, off = statistics.median(rates["on"]), statistics.median(rates["off"])
     overhead = 1 - on / off
-    headers = ["metrics", "tokens/s (median)", "runs"]
+    headers = [args.switch, "tokens/s (median)", "runs"]
     rows = [["on", f"{on:.1f}", " ".join(f"{r:.1f}" for r in rates["on"])],
             ["off", f"{off:.1f}", " ".join(f"{r:.1f}" for r in rates["off"])]]
     common.print_table(headers, rows)
-    print(f"overhead of our metrics: {overhead:+.2%} (goal <= 1%)")
+    print(f"overhead of our {args.switch}: {overhead:+.2%}" + (" (goal <= 1%)" if args.switch == "metrics" else ""))
     out = Path(args.out)
     settings = {key: getattr(args, key) for key in ("policy", "budget", "requests", "prompt_tokens", "gen_tokens",
-                                                    "rounds", "tiny")}
+                                                    "rounds", "tiny", "switch")}
     common.write_json(out.with_suffix(".json"), NAME, settings, [{"metrics": k, "tokens_per_s": v}
                                                                 for k, v in rates.items()],
                       median_on=on, median_off=off, overhead=overhead)
     figure, axes = common.new_figure(4.0, 3.0)
     axes.bar(["on", "off"], [on, off], color=["tab:blue", "tab:gray"])
     axes.set_ylabel("output tokens/s (median)")
-    axes.set_title(f"our metrics: {overhead:+.2%}")
+    axes.set_title(f"our {args.switch}: {overhead:+.2%}")
     common.save_figure(figure, out.with_suffix(".png"))
     return 0

@@ -7,6 +7,7 @@ import logging
 
 from vllm_kvprune import metrics, vllm_hooks
 from vllm_kvprune.config import KVPolicyConfig, policy_from_vllm_config
+from vllm_kvprune.engine import checks
 from vllm_kvprune.engine.manager import KVPruneManager
 from vllm_kvprune.vllm_hooks import Scheduler
 
@@ -57,6 +58,7 @@ class KVPruneScheduler(Scheduler):
             for manager in managers if not isinstance(manager, KVPruneManager)
         )
         self._log_capacity()
+        self._checking = checks.enabled() and bool(self.kvprune_managers)  # VLLM_KVPRUNE_CHECK=1
         # Metrics (vllm_kvprune.metrics): counted when vLLM logs stats and a policy is on.
         folder = metrics.metrics_dir()
         self.kvprune_stats = None
@@ -140,6 +142,8 @@ class KVPruneScheduler(Scheduler):
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if self.kvprune_stats is not None:
             self._write_stats(force=not self.has_unfinished_requests())
+        if self._checking:
+            checks.check_scheduler(self, self.kvprune_managers)
         return outputs
 
     def _free_request(self, request, *args, **kwargs):
@@ -149,13 +153,18 @@ class KVPruneScheduler(Scheduler):
                                         self._unpruned_blocks(request))
         result = super()._free_request(request, *args, **kwargs)
         self.request_policies.pop(request.request_id, None)
+        if self._checking and not kwargs.get("delay_free_blocks"):
+            checks.check_released(self, request.request_id)
         return result
 
     def _preempt_request(self, request, *args, **kwargs):
         policy = self.request_policies.get(request.request_id)
         if self.kvprune_stats is not None and policy is not None and policy.active:
             self.kvprune_stats.preempted(request.request_id, policy.name)
-        return super()._preempt_request(request, *args, **kwargs)
+        result = super()._preempt_request(request, *args, **kwargs)
+        if self._checking:
+            checks.check_released(self, request.request_id)
+        return result
 
     def shutdown(self) -> None:
         super().shutdown()

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from vllm_kvprune import vllm_hooks
+from vllm_kvprune.engine import checks
 from vllm_kvprune.config import KVPolicyConfig
 from vllm_kvprune.policies import Policy, get_policy
 from vllm_kvprune.worker.block_map import LayerBlockMap
@@ -167,6 +168,9 @@ class WorkerKVState:
         self.score_seconds = 0.0
         self._reported_seconds = (0.0, 0.0)  # plan and score time already in a step report
         self._planned: list[str] = []  # requests of the steps planned since the last report
+        # VLLM_KVPRUNE_CHECK=1: the last planned step's (request, block row) pairs and block size,
+        # checked after the step ran (a head-wise prompt's survivors are set by its layers).
+        self._to_check: tuple[list, int] | None = None
         # > 0 while the runner runs a profiling or warm-up batch (no requests: not planned).
         self.dummy_runs = 0
         # FDC's rotations and packed widths (`fdc` policy), loaded with the model.
@@ -216,6 +220,11 @@ class WorkerKVState:
         """What the scheduler needs from this step: head-page footprints, and for its metrics
         (`vllm_kvprune.metrics`) the tokens each of the step's requests keeps now (mean and max
         over layers and KV heads) and the planning and scoring time since the last report."""
+        if self._to_check is not None:
+            planned, block_size = self._to_check
+            self._to_check = None
+            checks.check_planned([(request_id, self.requests[request_id], block_row)
+                                  for request_id, block_row in planned if request_id in self.requests], block_size)
         report: dict = {}
         if with_metrics:
             report["kept"] = {request_id: self.requests[request_id].kept_tokens()
@@ -260,6 +269,9 @@ class WorkerKVState:
             )
         plan = builder.finish()
         self._planned.extend(rows.req_ids)
+        if checks.enabled():  # VLLM_KVPRUNE_CHECK=1: checked once the step has run (step_report)
+            self._to_check = ([(request_id, rows.block_rows[row].copy()) for row, request_id in enumerate(rows.req_ids)],
+                              block_size)
         self.plan_seconds += time.perf_counter() - started
         return plan
 

@@ -1,0 +1,83 @@
+"""Debug invariant mode: `VLLM_KVPRUNE_CHECK=1` checks, after every engine step, what the tests
+otherwise check from outside, and stops the engine loudly (`InvariantError`) at the first breach.
+
+Scheduler side (`check_scheduler`, after each `update_from_output`, and `check_released` after a
+request is freed or preempted):
+- a request under a capped policy holds at most `block_limit` blocks of each capped group (its
+  prompt's blocks while it is prefilled, its cap or its worker-reported footprint after);
+- no block of a capped group is listed twice, by two requests or two groups (our blocks are
+  never prefix-cached, so sharing one is always a bug);
+- a finished, aborted or preempted request holds no block, and an idle engine's pool is whole.
+Worker side (`WorkerKVState.plan`, `check_planned`): each planned request's map holds every
+position at most once and no slot twice (`check()` of its map), and no two slot-mapped requests
+hold the same physical slot.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from vllm_kvprune import vllm_hooks
+from vllm_kvprune.worker.slot_map import InvariantError
+
+CHECK_ENV = "VLLM_KVPRUNE_CHECK"
+
+
+def enabled() -> bool:
+    return os.environ.get(CHECK_ENV) == "1"
+
+
+def check_scheduler(scheduler: Any, capped_managers: list) -> None:
+    owners: dict[int, str] = {}
+    for manager in capped_managers:
+        for request_id, blocks in manager.req_to_blocks.items():
+            if not blocks:
+                continue
+            if request_id not in scheduler.requests:
+                raise InvariantError(f"kvprune check: request {request_id} is gone but holds {len(blocks)} blocks")
+            limit = manager.block_limit(request_id)
+            if limit is not None and len(blocks) > limit:
+                raise InvariantError(f"kvprune check: request {request_id} holds {len(blocks)} blocks, its limit "
+                                     f"is {limit}")
+            for block in blocks:
+                if block.is_null:
+                    continue
+                owner = owners.setdefault(block.block_id, request_id)
+                if owner != request_id or block.ref_cnt != 1:
+                    raise InvariantError(f"kvprune check: block {block.block_id} is held by {owner} and "
+                                         f"{request_id} (ref count {block.ref_cnt})")
+    if capped_managers and not scheduler.has_unfinished_requests():
+        pool = scheduler.kv_cache_manager.block_pool
+        if pool.get_num_free_blocks() != pool.num_gpu_blocks - 1:  # block 0 is the null block
+            raise InvariantError(f"kvprune check: the engine is idle but {pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()} "
+                                 "blocks are not back in the pool")
+
+
+def check_released(scheduler: Any, request_id: str) -> None:
+    for manager in vllm_hooks.single_type_managers(scheduler):
+        held = [b for b in manager.req_to_blocks.get(request_id, ()) if not b.is_null]
+        if held:
+            raise InvariantError(f"kvprune check: request {request_id} was freed but still holds {len(held)} blocks")
+
+
+def check_planned(states: list[tuple[str, Any, np.ndarray]], block_size: int) -> None:
+    """`states`: (request id, its RequestKVState, its block-table row) for each planned row."""
+    held_slots, holders = [], []
+    for request_id, state, block_row in states:
+        for held in (state.slots, state.heads, state.blocks, state.pages):
+            if held is not None:
+                held.check()
+        if state.heads is None and state.blocks is None and state.pages is None:
+            slots = np.arange(state.slots.num_valid)
+            held_slots.append(np.asarray(block_row)[slots // block_size] * block_size + slots % block_size)
+            holders += [request_id] * len(slots)
+    if held_slots:
+        every = np.concatenate(held_slots)
+        unique, first, counts = np.unique(every, return_index=True, return_counts=True)
+        if (counts > 1).any():
+            slot = int(unique[counts > 1][0])
+            sharing = sorted({holders[i] for i in np.flatnonzero(every == slot)})
+            raise InvariantError(f"kvprune check: slot {slot} is held by {', '.join(sharing)}")
