@@ -31,6 +31,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--gen-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tiny", action="store_true", help="the tiny random Llama (seconds; for tests)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="model dtype (float32: bf16 is emulated, and slow, on CPUs without AVX-512)")
     parser.add_argument("--switch", choices=("metrics", "checks"), default="metrics",
                         help="what is turned on and off: our metrics, or the debug invariant checks")
     parser.add_argument("--out", default="results/metrics_overhead")
@@ -64,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     policy: dict[str, Any] = {"name": args.policy}
     if args.policy != "gvote":
         policy.update(budget=args.budget, sinks=4)
-    llm = LLM(model=model, dtype="float32" if args.tiny else "bfloat16", block_size=32, max_model_len=4096,
+    llm = LLM(model=model, dtype=args.dtype, block_size=32, max_model_len=4096,
               enforce_eager=args.tiny, enable_prefix_caching=False, disable_log_stats=False, seed=0,
               kv_cache_memory_bytes=1 << 30, additional_config={"kv_policy": policy})
     from transformers import AutoTokenizer
@@ -96,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"overhead of our {args.switch}: {overhead:+.2%}" + (" (goal <= 1%)" if args.switch == "metrics" else ""))
     out = Path(args.out)
     settings = {key: getattr(args, key) for key in ("policy", "budget", "requests", "prompt_tokens", "gen_tokens",
-                                                    "rounds", "tiny", "switch")}
+                                                    "rounds", "tiny", "switch", "dtype")}
     common.write_json(out.with_suffix(".json"), NAME, settings, [{"metrics": k, "tokens_per_s": v}
                                                                 for k, v in rates.items()],
                       median_on=on, median_off=off, overhead=overhead)
