@@ -42,8 +42,7 @@ class Setting:
     def ranks(self, calibration: Any) -> Any:
         adaptive = calibration.with_rate(self.rate)
         if self.kind == "uniform":
-            return calibration.with_uniform_ranks(round(float(adaptive.qk_rank.double().mean())),
-                                                  round(float(adaptive.v_rank.double().mean())))
+            return calibration.with_uniform_ranks_like(adaptive)
         if self.kind == "qk-only":
             return calibration.with_rate(self.rate, v_rate=0.0)
         return adaptive

@@ -20,7 +20,6 @@ from typing import Any
 
 import numpy as np
 
-from vllm_kvprune import vllm_hooks
 from vllm_kvprune.worker.slot_map import InvariantError
 
 CHECK_ENV = "VLLM_KVPRUNE_CHECK"
@@ -57,10 +56,11 @@ def check_scheduler(scheduler: Any, capped_managers: list) -> None:
 
 
 def check_released(scheduler: Any, request_id: str) -> None:
-    for manager in vllm_hooks.single_type_managers(scheduler):
-        held = [b for b in manager.req_to_blocks.get(request_id, ()) if not b.is_null]
-        if held:
-            raise InvariantError(f"kvprune check: request {request_id} was freed but still holds {len(held)} blocks")
+    from vllm_kvprune.engine.scheduler import held_blocks
+
+    held = held_blocks(scheduler, request_id)
+    if held:
+        raise InvariantError(f"kvprune check: request {request_id} was freed but still holds {held} blocks")
 
 
 def check_planned(states: list[tuple[str, Any, np.ndarray]], block_size: int) -> None:

@@ -180,8 +180,7 @@ class KVPruneScheduler(Scheduler):
 
     def _policy_blocks(self, request_id: str) -> int:
         """Real blocks the request holds in the policy's own KV-cache groups."""
-        return sum(sum(1 for block in manager.req_to_blocks.get(request_id, ()) if not block.is_null)
-                   for manager in self.kvprune_managers)
+        return held_blocks(self, request_id, self.kvprune_managers)
 
     def _unpruned_blocks(self, request) -> int:
         """Blocks the request would hold in those groups without the policy."""
@@ -209,10 +208,10 @@ class KVPruneScheduler(Scheduler):
         return held_blocks(self, request_id)
 
 
-def held_blocks(scheduler, request_id: str) -> int:
+def held_blocks(scheduler, request_id: str, managers=None) -> int:
     """Real (non-null) blocks a request holds now in any vLLM scheduler's pool (ours or stock),
-    over all KV-cache groups."""
+    over all KV-cache groups (or only those of `managers`)."""
     return sum(
         sum(1 for block in manager.req_to_blocks.get(request_id, ()) if not block.is_null)
-        for manager in vllm_hooks.single_type_managers(scheduler)
+        for manager in (vllm_hooks.single_type_managers(scheduler) if managers is None else managers)
     )

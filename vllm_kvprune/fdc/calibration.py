@@ -114,6 +114,11 @@ class FdcCalibration:
             settings={**self.settings, "rate": None, "uniform_ranks": [qk_rank, v_rank]},
         )
 
+    def with_uniform_ranks_like(self, adaptive: "FdcCalibration") -> "FdcCalibration":
+        """Every head at `adaptive`'s mean ranks: the same compression without adaptive rates."""
+        return self.with_uniform_ranks(round(float(adaptive.qk_rank.double().mean())),
+                                       round(float(adaptive.v_rank.double().mean())))
+
     def kv_fraction(self) -> float:
         """Cached elements per token over the uncompressed cache's (K and V, all heads)."""
         kept = int(self.qk_rank.sum()) + int(self.v_rank.sum())

@@ -38,8 +38,7 @@ def sweep(model: torch.nn.Module, calibration: FdcCalibration, token_ids: Sequen
     points = []
     for rate in rates:
         adaptive = calibration.with_rate(rate)
-        uniform = calibration.with_uniform_ranks(round(float(adaptive.qk_rank.double().mean())),
-                                                 round(float(adaptive.v_rank.double().mean())))
+        uniform = calibration.with_uniform_ranks_like(adaptive)
         points.append(SweepPoint(rate, adaptive.kv_fraction(), perplexity(model, token_ids, adaptive),
                                  perplexity(model, token_ids, uniform), uniform.kv_fraction()))
     return perplexity(model, token_ids), points
