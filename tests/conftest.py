@@ -22,6 +22,22 @@ import pytest  # noqa: E402
 import triton_setup  # noqa: E402,F401
 
 VENV_BIN = Path(sys.executable).parent
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption("--heavy", action="store_true",
+                     help="also run the tests marked heavy (checks already made once in the suite, repeated on "
+                          "more configurations; minutes each on a 2-core CPU)")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """The CI suite runs each check once; `--heavy` adds its repetitions on more configurations."""
+    if config.getoption("--heavy"):
+        return
+    skip = pytest.mark.skip(reason="heavy: a repetition on another configuration; run with --heavy")
+    for item in items:
+        if "heavy" in item.keywords:
+            item.add_marker(skip)
 BLOCK_SIZE = 32
 
 
@@ -116,8 +132,9 @@ def engine(model: str, policy: dict | None = None, **kwargs):
 
 
 @contextmanager
-def served(model: str, *args: str, log_dir: Path, timeout: float = 300):
-    """A real `vllm-kvprune serve MODEL ARGS...` on a free port; yields its base URL."""
+def served(model: str, *args: str, log_dir: Path, timeout: float = 300, env: dict | None = None):
+    """A real `vllm-kvprune serve MODEL ARGS...` on a free port (`env`: added to its
+    environment); yields its base URL."""
     import socket
     import subprocess
     import time
@@ -128,7 +145,7 @@ def served(model: str, *args: str, log_dir: Path, timeout: float = 300):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     log = log_dir / "server.log"
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **(env or {})}
     command = [str(VENV_BIN / "vllm-kvprune"), "serve", model, "--port", str(port), *args]
     with open(log, "w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)

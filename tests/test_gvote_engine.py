@@ -141,6 +141,31 @@ class TestSharedEngine:
         assert evicted > 0 and abs(cached - (evicted + kept)) < 1
         assert grew(("vllm:kvprune_request_kept_tokens", "max")) > kept
 
+    def test_a_failed_vote_fails_its_request_alone(self, gvote_llm, monkeypatch):
+        """Fault containment (worker/faults.py): the vote fails for one request of a batch; it
+        finishes with an error naming the policy, the others with the tokens they get when
+        nothing fails, and every block comes back."""
+        prompt_ids = prompts((200, 90, 250, 40), seed=11)
+        params = [greedy(25, **SPARSE)] * len(prompt_ids)
+        clean = run_steps(gvote_llm, prompt_ids, params)
+        before = kvprune_totals(gvote_llm)
+        monkeypatch.setenv("VLLM_KVPRUNE_FAULT", "score:^2(-|$)")  # request "2" (vLLM may add a suffix)
+        failing = run_steps(gvote_llm, prompt_ids, params)
+        monkeypatch.delenv("VLLM_KVPRUNE_FAULT")
+        for request_id, output in failing.items():
+            if request_id == "2":
+                assert output.outputs[0].finish_reason == "error"
+                assert output.outputs[0].stop_reason.startswith("kvprune gvote: score failed: InjectedFault")
+            else:
+                assert output.outputs[0].finish_reason == "length"
+                assert output.outputs[0].token_ids == clean[request_id].outputs[0].token_ids
+        assert set(failing) == set(clean)
+        assert all_blocks_free(gvote_llm)
+        gvote_llm.generate([{"prompt_token_ids": [1, 2, 3]}], greedy(2), use_tqdm=False)
+        assert not any(state.failure for state in runner_of(gvote_llm).kv_state.requests.values())
+        after = kvprune_totals(gvote_llm)
+        assert after[("vllm:kvprune_requests_failed", None)] - before.get(("vllm:kvprune_requests_failed", None), 0) == 1
+
     def test_bad_per_request_settings_are_refused(self, gvote_llm):
         from vllm.exceptions import VLLMValidationError
 

@@ -28,10 +28,13 @@ def reference_for(model, budget: int, interval: int = 1, recent: int | None = No
 
 
 PARITY_CASES = [(64, 1, None), (64, 8, None), (96, 1, 16), (96, 8, 16)]
+# The suite runs the two that cover both prune intervals and both recent windows; --heavy, all.
+SUITE_CASES = {(64, 1, None), (96, 8, 16)}
 
 
-@pytest.mark.parametrize("budget, interval, recent", PARITY_CASES,
-                         ids=[f"B{b}-R{r}-recent{w}" for b, r, w in PARITY_CASES])
+@pytest.mark.parametrize("budget, interval, recent", [
+    pytest.param(*case, id=f"B{case[0]}-R{case[1]}-recent{case[2]}",
+                 marks=() if case in SUITE_CASES else pytest.mark.heavy) for case in PARITY_CASES])
 def test_parity_with_reference(tiny_model, reference_model, budget, interval, recent):
     num_tokens = 4 * budget
     prompt_ids = prompts(PROMPT_LENGTHS)

@@ -1,5 +1,8 @@
 """A real `vllm-kvprune serve` with a policy: a bad per-request override is a 400 naming
-the field, and the server keeps serving the next (good) request."""
+the field, and the server keeps serving the next (good) request; a request the policy fails
+for is a 500 while the others are served as if it had not been there."""
+
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -7,12 +10,17 @@ import requests
 from conftest import page_bytes, served
 
 
+FAULTY_ID = "kvprune-injected-fault"
+
+
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     pool_bytes = 256 * page_bytes(tiny_model, {"dtype": "float32", "block_size": 32})
     with served(tiny_model, "--dtype", "float32", "--enforce-eager", "--block-size", "32", "--max-model-len", "4096",
                 "--kv-cache-memory-bytes", str(pool_bytes), "--kv-policy", "streaming", "--kv-budget", "64",
-                "--kv-sinks", "4", log_dir=tmp_path_factory.mktemp("server"), timeout=240) as base:
+                "--kv-sinks", "4", log_dir=tmp_path_factory.mktemp("server"), timeout=240,
+                # Fault containment: the policy fails for requests sent with this id (and no other).
+                env={"VLLM_KVPRUNE_FAULT": f"plan:{FAULTY_ID}"}) as base:
         yield base, tiny_model
 
 
@@ -114,3 +122,31 @@ def test_metrics_count_refused_requests_by_setting(server):
         grown = (_total(after, "vllm:kvprune_requests_rejected_total", setting=setting)
                  - _total(before, "vllm:kvprune_requests_rejected_total", setting=setting))
         assert grown == 1, setting
+
+
+# ---- fault containment (vllm_kvprune/worker/faults.py) ------------------------------------------
+def test_a_request_the_policy_fails_for_fails_alone(server):
+    """Mid-batch, the policy fails for one request: that request is a 500, the others finish
+    with the very tokens they get when nothing fails, and its blocks go back to the pool."""
+    base, model = server
+
+    def complete(prompt: str, request_id: str | None = None) -> requests.Response:
+        body = {"model": model, "prompt": prompt, "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+        headers = {"X-Request-Id": request_id} if request_id else {}
+        return requests.post(f"{base}/v1/completions", json=body, headers=headers, timeout=120)
+
+    prompts = ["The quick brown fox", "Once upon a time", "In a hole in the ground", "It was a dark night"]
+    alone = [complete(prompt).json()["choices"][0]["text"] for prompt in prompts]
+    before = _scrape(base)
+    with ThreadPoolExecutor(len(prompts) + 1) as pool:
+        faulty = pool.submit(complete, "Tell me a story about a dragon", FAULTY_ID)
+        others = list(pool.map(complete, prompts))
+        failed = faulty.result()
+    assert failed.status_code == 500, failed.text
+    assert [answer.status_code for answer in others] == [200] * len(prompts)
+    assert [answer.json()["choices"][0]["text"] for answer in others] == alone
+    after = _scrape(base)
+    assert _total(after, "vllm:kvprune_requests_failed_total") - _total(before, "vllm:kvprune_requests_failed_total") \
+        == 1
+    assert _total(after, "vllm:kvprune_blocks_held") == 0
+    assert complete(prompts[0]).json()["choices"][0]["text"] == alone[0]  # and it goes on serving

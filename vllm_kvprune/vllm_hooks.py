@@ -176,7 +176,10 @@ HOOKS: tuple[Hook, ...] = (
     # scheduler frees and allocates by it; attention runs per (request, KV head) sequence.
     Hook("override", f"{_RUNNER}:CPUModelRunner.sample_tokens", "reports footprints, kept tokens, policy time",
          ("self", "grammar_output")),
-    Hook("read", "vllm.v1.outputs:ModelRunnerOutput", "carries the footprints", attributes=("req_ids",)),
+    Hook("read", "vllm.v1.outputs:ModelRunnerOutput", "carries the footprints; a failed request's token is dropped",
+         attributes=("req_ids", "req_id_to_index", "sampled_token_ids")),
+    Hook("read", "vllm.v1.engine:EngineCoreOutput", "a failed request's output names the policy",
+         attributes=("request_id", "finish_reason", "stop_reason")),
     Hook("override", f"{_SCHED}:Scheduler.update_from_output", "frees what a vote gave back; metrics",
          ("self", "scheduler_output", "model_runner_output")),
     # Metrics (`vllm_kvprune.metrics`): counted where vLLM preempts, frees and shuts down.
@@ -489,6 +492,35 @@ def fail_at_next_step(scheduler: Any, request_id: str) -> None:
     """Finish a queued request with an error at the scheduler's next output, so that its
     client hears back. vLLM's generic path for that is this set (named for grammars)."""
     _read("Scheduler", lambda: scheduler.grammar_compile_error_reqs.add(request_id))
+
+
+def without_tokens(output: Any, request_ids: set[str]) -> Any:
+    """The step output with no sampled token for these requests (a shallow copy)."""
+    import copy
+
+    def read():
+        tokens = output.sampled_token_ids
+        if not tokens:
+            return output
+        dropped = {output.req_id_to_index[r] for r in request_ids if r in output.req_id_to_index}
+        trimmed = copy.copy(output)
+        trimmed.sampled_token_ids = [[] if index in dropped else ids for index, ids in enumerate(tokens)]
+        return trimmed
+
+    return _read("ModelRunnerOutput", read)
+
+
+def name_failures(outputs: Any, failures: dict[str, str]) -> None:
+    """Set each failed request's stop reason (what `LLM` outputs show) to why it failed."""
+    from vllm.v1.engine import FinishReason
+
+    def read():
+        for client_outputs in outputs.values():
+            for output in client_outputs.outputs:
+                if output.request_id in failures and output.finish_reason == FinishReason.ERROR:
+                    output.stop_reason = failures[output.request_id]
+
+    _read("EngineCoreOutput", read)
 
 
 def pool_blocks(scheduler: Any) -> int:

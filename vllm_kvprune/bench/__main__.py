@@ -16,6 +16,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "fdc_attention",
     "fdc_accuracy",
     "metrics_overhead",
+    "load",
     "gpu_kernels",
     "accuracy",
     "results_page",

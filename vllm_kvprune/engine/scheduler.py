@@ -139,12 +139,34 @@ class KVPruneScheduler(Scheduler):
             self.kvprune_stats.step(vllm_hooks.step_report_of(model_runner_output),
                                     scheduler_output.num_scheduled_tokens, self.request_policies.get,
                                     self.kv_policy.name)
+        failures = self._take_failures(model_runner_output)
+        if failures:
+            model_runner_output = vllm_hooks.without_tokens(model_runner_output, set(failures))
         outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if failures:
+            vllm_hooks.name_failures(outputs, failures)
         if self.kvprune_stats is not None:
             self._write_stats(force=not self.has_unfinished_requests())
         if self._checking:
             checks.check_scheduler(self, self.kvprune_managers)
         return outputs
+
+    def _take_failures(self, model_runner_output) -> dict[str, str]:
+        """Requests the policy failed for in this step (`worker/faults.py`): each finishes with
+        an error in this step's output (its token is dropped), and its blocks go back."""
+        failures = {}
+        for request_id, why in (vllm_hooks.step_report_of(model_runner_output).get("failed") or {}).items():
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished():
+                continue  # reported again until the worker hears it finished
+            logger.error("kvprune: request %s fails: %s; its blocks go back to the pool, the other requests "
+                         "go on", request_id, why)
+            vllm_hooks.fail_at_next_step(self, request_id)
+            if self.kvprune_stats is not None:
+                policy = self.request_policies.get(request_id)
+                self.kvprune_stats.failed(policy.name if policy is not None else self.kv_policy.name)
+            failures[request_id] = why
+        return failures
 
     def _free_request(self, request, *args, **kwargs):
         policy = self.request_policies.get(request.request_id)

@@ -37,6 +37,8 @@ METRICS: dict[str, tuple[str, str]] = {
     "blocks_returned": ("counter", "KV blocks pruning gave back to the pool"),
     "preemptions": ("counter", "Requests under a KV policy preempted (their cache is recomputed)"),
     "requests_rejected": ("counter", "Requests refused by the KV policy's checks, by the setting at fault"),
+    "requests_failed": ("counter", "Requests the KV policy failed for, each finished with an error alone "
+                                   "(fault containment)"),
     "request_kept_tokens": ("histogram", "Tokens a finished request kept in the cache, mean and max over KV heads"),
     "request_blocks_saved": ("histogram", "KV blocks a finished request held less than it would without the policy"),
     "step_seconds": ("histogram", "Time the KV policy took in one engine step (plan: slot maps and moves "

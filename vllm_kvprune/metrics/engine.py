@@ -95,6 +95,9 @@ class EngineStats:
     def rejected(self, setting: str) -> None:
         self.count("requests_rejected", setting=setting)
 
+    def failed(self, policy: str) -> None:
+        self.count("requests_failed", policy=policy)
+
     def finished(self, request_id: str, policy: str, held_blocks: int, unpruned_blocks: int) -> None:
         kept = self._kept.pop(request_id, None)
         if kept is not None:

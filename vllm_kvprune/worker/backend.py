@@ -27,7 +27,7 @@ from vllm_kvprune.vllm_hooks import (
     CPUAttentionMetadata,
     CPUAttentionMetadataBuilder,
 )
-from vllm_kvprune.worker import runtime
+from vllm_kvprune.worker import faults, runtime
 from vllm_kvprune.worker.head_map import SKIP
 from vllm_kvprune.worker.head_page_map import global_head_slots
 from vllm_kvprune.worker.state import StepPlan
@@ -221,21 +221,24 @@ class KVPruneImpl(CPUAttentionBackendImpl):
         layout = _layout_of(layer, kv_cache)
         block_size, num_heads = kv_cache.shape[2], kv_cache.shape[1]
         sources, destinations = [], []
-        for vote in plan.votes:
+        for vote in faults.live(plan.votes):
             state = vote.state
-            prompt = np.arange(vote.num_prompt)
-            prompt_slots = vote.block_row[prompt // block_size].astype(np.int64) * block_size + prompt % block_size
-            keys, _ = kernels.read_slots(kv_cache, torch.from_numpy(prompt_slots), layout)  # [P, H, D]
-            keep = voter.vote(state.config, state.policy, query[vote.last_token].float(), keys.transpose(0, 1),
-                              state.hidden_sum[layer_index], state.hidden_sumsq[layer_index],
-                              int(state.hidden_count[layer_index]))
-            moved_from, moved_to = state.pages.apply_layer_vote(layer_index, keep)
-            sources.append(global_head_slots(vote.block_row, moved_from, num_heads, block_size))
-            destinations.append(global_head_slots(vote.block_row, moved_to, num_heads, block_size))
-            if state.pages.is_paged:
-                state.hidden_sum = state.hidden_sumsq = state.hidden_count = None  # the prompt is done
-        kernels.copy_slots(_head_page_view(kv_cache), torch.from_numpy(np.concatenate(sources)),
-                           torch.from_numpy(np.concatenate(destinations)), layout)
+            with faults.contained(state, "score"):
+                faults.inject("score", state.request_id)
+                prompt = np.arange(vote.num_prompt)
+                prompt_slots = vote.block_row[prompt // block_size].astype(np.int64) * block_size + prompt % block_size
+                keys, _ = kernels.read_slots(kv_cache, torch.from_numpy(prompt_slots), layout)  # [P, H, D]
+                keep = voter.vote(state.config, state.policy, query[vote.last_token].float(), keys.transpose(0, 1),
+                                  state.hidden_sum[layer_index], state.hidden_sumsq[layer_index],
+                                  int(state.hidden_count[layer_index]))
+                moved_from, moved_to = state.pages.apply_layer_vote(layer_index, keep)
+                sources.append(global_head_slots(vote.block_row, moved_from, num_heads, block_size))
+                destinations.append(global_head_slots(vote.block_row, moved_to, num_heads, block_size))
+                if state.pages.is_paged:
+                    state.hidden_sum = state.hidden_sumsq = state.hidden_count = None  # the prompt is done
+        if sources:
+            kernels.copy_slots(_head_page_view(kv_cache), torch.from_numpy(np.concatenate(sources)),
+                               torch.from_numpy(np.concatenate(destinations)), layout)
         worker_state.score_seconds += time.perf_counter() - started
 
     def _accumulate_mass(self, layer, query, kv_cache, attn_metadata, plan: StepPlan,
@@ -300,13 +303,17 @@ class KVPruneImpl(CPUAttentionBackendImpl):
         layer_index = _layer_index(layer)
         block_size = kv_cache.shape[2]
         sources, destinations = [], []
-        for compaction in plan.prefill_compactions:
+        for compaction in faults.live(plan.prefill_compactions):
             state, slots = compaction.state, compaction.prompt_slots
-            token_means = scores.token_means(layer_index, slots)
-            kept = state.policy.prefill_survivors(token_means, compaction.keep, state.config, block_size)
-            state.blocks.set_layer_survivors(layer_index, kept.numpy())
-            sources.append(slots[kept])
-            destinations.append(slots[: compaction.keep])
+            with faults.contained(state, "score"):
+                faults.inject("score", state.request_id)
+                token_means = scores.token_means(layer_index, slots)
+                kept = state.policy.prefill_survivors(token_means, compaction.keep, state.config, block_size)
+                state.blocks.set_layer_survivors(layer_index, kept.numpy())
+                sources.append(slots[kept])
+                destinations.append(slots[: compaction.keep])
+        if not sources:
+            return
         sources, destinations = torch.cat(sources), torch.cat(destinations)
         moved = sources != destinations
         sources, destinations = sources[moved], destinations[moved]
@@ -319,15 +326,19 @@ class KVPruneImpl(CPUAttentionBackendImpl):
         mass = runtime.worker_state().scores
         layer_index = _layer_index(layer)
         sources, destinations = [], []
-        for compaction in plan.prefill_compactions:
+        for compaction in faults.live(plan.prefill_compactions):
             state, slots, keep = compaction.state, compaction.prompt_slots, compaction.keep
-            kept = state.policy.prefill_survivors(mass.by_slot[layer_index], slots, keep, state.config)
-            state.heads.set_layer_survivors(layer_index, kept.numpy())
-            source = slots[kept].T  # [keep, heads]
-            destination = slots[:keep, None].expand_as(source).clone()
-            destination[source == destination] = SKIP
-            sources.append(source)
-            destinations.append(destination)
+            with faults.contained(state, "score"):
+                faults.inject("score", state.request_id)
+                kept = state.policy.prefill_survivors(mass.by_slot[layer_index], slots, keep, state.config)
+                state.heads.set_layer_survivors(layer_index, kept.numpy())
+                source = slots[kept].T  # [keep, heads]
+                destination = slots[:keep, None].expand_as(source).clone()
+                destination[source == destination] = SKIP
+                sources.append(source)
+                destinations.append(destination)
+        if not sources:
+            return
         sources, destinations = torch.cat(sources), torch.cat(destinations)
         kernels.copy_slots(kv_cache, sources, destinations, _layout_of(layer, kv_cache))
         mass.move(layer_index, sources, destinations)

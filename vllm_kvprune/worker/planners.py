@@ -87,6 +87,20 @@ class RowPlanner:
     def finish(self) -> StepPlan:
         raise NotImplementedError
 
+    # ---- shared: a row that fails half-way leaves the step as it was (worker/faults.py) ----
+    def checkpoint(self) -> dict[str, Any]:
+        """What `rollback` restores: the length of every list the rows append to, and the flags."""
+        return {name: len(value) if isinstance(value, list) else value
+                for name, value in vars(self).items() if isinstance(value, (list, bool))}
+
+    def rollback(self, checkpoint: dict[str, Any]) -> None:
+        for name, kept in checkpoint.items():
+            value = getattr(self, name)
+            if isinstance(value, list):
+                del value[kept:]
+            else:
+                setattr(self, name, kept)
+
     # ---- shared: local slots (inside the request's own blocks) to pool-wide slots ----
     def _global(self, block_row: np.ndarray, slots: np.ndarray) -> np.ndarray:
         return block_row[slots // self.block_size].astype(np.int64) * self.block_size + slots % self.block_size

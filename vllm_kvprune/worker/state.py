@@ -18,6 +18,7 @@ from vllm_kvprune import vllm_hooks
 from vllm_kvprune.engine import checks
 from vllm_kvprune.config import KVPolicyConfig
 from vllm_kvprune.policies import Policy, get_policy
+from vllm_kvprune.worker import faults
 from vllm_kvprune.worker.block_map import LayerBlockMap
 from vllm_kvprune.worker.head_map import SKIP, HeadSlotMap
 from vllm_kvprune.worker.head_page_map import HeadPageMap
@@ -35,6 +36,9 @@ class RequestKVState:
 
     config: KVPolicyConfig
     policy: Policy
+    request_id: str = ""
+    # Why the policy failed for this request (`worker/faults.py`); None while it runs.
+    failure: str | None = None
     slots: SlotMap = field(default_factory=SlotMap)
     # layer name -> original post-RoPE (K, V) of the sink tokens, for re-anchoring.
     sink_kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -208,12 +212,14 @@ class WorkerKVState:
 
     def _state_for(self, request_id: str, num_computed: int, extra_args: dict | None) -> RequestKVState:
         state = self.requests.get(request_id)
-        if state is None or num_computed == 0:
+        if state is None or (num_computed == 0 and state.failure is None):
             # New, or resumed after preemption: it re-prefills from scratch.
-            config = self.engine_config.for_request(extra_args)
-            state = RequestKVState(config=config, policy=get_policy(config.name))
-            PLANNERS[state.policy.granularity].attach_map(state, self.scores)
+            # A placeholder first, so that a failure below still has a state to fail.
+            state = RequestKVState(config=self.engine_config, policy=self.policy, request_id=request_id)
             self.requests[request_id] = state
+            state.config = self.engine_config.for_request(extra_args)
+            state.policy = get_policy(state.config.name)
+            PLANNERS[state.policy.granularity].attach_map(state, self.scores)
         return state
 
     def step_report(self, with_metrics: bool = True) -> dict:
@@ -223,12 +229,14 @@ class WorkerKVState:
         if self._to_check is not None:
             planned, block_size = self._to_check
             self._to_check = None
-            checks.check_planned([(request_id, self.requests[request_id], block_row)
-                                  for request_id, block_row in planned if request_id in self.requests], block_size)
-        report: dict = {}
+            checks.check_planned([(request_id, self.requests[request_id], block_row) for request_id, block_row in planned
+                                  if request_id in self.requests and self.requests[request_id].failure is None],
+                                 block_size)
+        report: dict = {"failed": {request_id: state.failure for request_id, state in self.requests.items()
+                                   if state.failure is not None}}
         if with_metrics:
-            report["kept"] = {request_id: self.requests[request_id].kept_tokens()
-                              for request_id in self._planned if request_id in self.requests}
+            report["kept"] = {request_id: self.requests[request_id].kept_tokens() for request_id in self._planned
+                              if request_id in self.requests and self.requests[request_id].failure is None}
         self._planned = []
         plan, score = self._reported_seconds
         report["seconds"] = {"plan": self.plan_seconds - plan, "score": self.score_seconds - score}
@@ -241,7 +249,7 @@ class WorkerKVState:
         """Blocks each voted request needs for its next step (head-page policies), for the
         scheduler: what it frees and what it allocates before that step."""
         return {request_id: state.pages.blocks_needed(1) for request_id, state in self.requests.items()
-                if state.pages is not None and state.pages.is_paged}
+                if state.pages is not None and state.pages.is_paged and state.failure is None}
 
     def plan(self, query_start_loc: np.ndarray, block_size: int) -> StepPlan | None:
         """The physical plan of the step whose rows were published by the runner."""
@@ -258,15 +266,20 @@ class WorkerKVState:
         started = time.perf_counter()
         builder = _PlanBuilder(block_size, self.scores)
         for row in range(num_reqs):
-            state = self._state_for(rows.req_ids[row], int(rows.num_computed[row]), rows.extra_args[row])
-            builder.add_row(
-                state,
-                first_token=int(query_start_loc[row]),
-                num_computed=int(rows.num_computed[row]),
-                num_new=int(query_start_loc[row + 1] - query_start_loc[row]),
-                num_prompt=int(rows.num_prompt[row]),
-                block_row=rows.block_rows[row],
-            )
+            request_id = rows.req_ids[row]
+            row_args = dict(first_token=int(query_start_loc[row]), num_computed=int(rows.num_computed[row]),
+                            num_new=int(query_start_loc[row + 1] - query_start_loc[row]),
+                            num_prompt=int(rows.num_prompt[row]), block_row=rows.block_rows[row])
+            try:
+                state = self._state_for(request_id, row_args["num_computed"], rows.extra_args[row])
+                if state.failure is None:
+                    faults.inject("plan", request_id)
+                    builder.add_row(state, **row_args)
+                    continue
+            except Exception as error:  # noqa: BLE001 - contained: this request fails alone
+                state = self.requests[request_id]  # `_state_for` stores it before anything can fail
+                faults.fail(state, "plan", error)
+            builder.add_quarantined(state, **row_args)
         plan = builder.finish()
         self._planned.extend(rows.req_ids)
         if checks.enabled():  # VLLM_KVPRUNE_CHECK=1: checked once the step has run (step_report)
@@ -287,12 +300,32 @@ class _PlanBuilder:
 
     def add_row(self, state: RequestKVState, first_token: int, num_computed: int, num_new: int,
                 num_prompt: int, block_row: np.ndarray) -> None:
+        """Plan one row; a row that fails leaves the plan as it was (the failure is raised)."""
+        planner = self._planner_for(state)
+        before = planner.checkpoint()
+        try:
+            planner.add(Row(state, first_token, num_computed, num_new, num_prompt, block_row))
+        except BaseException:
+            planner.rollback(before)
+            raise
+
+    def add_quarantined(self, state: RequestKVState, first_token: int, num_computed: int, num_new: int,
+                        num_prompt: int, block_row: np.ndarray) -> None:
+        """Plan a failed request's row so that the batch runs and nothing but the request's
+        own first slots is touched: a fresh map's first prompt chunk (no eviction, no vote).
+        Its output is discarded (`worker/faults.py`)."""
+        fresh = RequestKVState(state.config, state.policy, state.request_id, failure=state.failure)
+        planner = self._planner_for(fresh)
+        type(planner).attach_map(fresh, self.scores)
+        planner.add(Row(fresh, first_token, 0, num_new, num_new + 1, block_row))
+
+    def _planner_for(self, state: RequestKVState) -> RowPlanner:
         planner_cls = PLANNERS[state.policy.granularity]
         if self._planner is None:
             self._planner = planner_cls(self.block_size, self.scores)
         elif type(self._planner) is not planner_cls:
             raise PlanningError(f"kvprune: one step mixes {type(self._planner).__name__} and {planner_cls.__name__} rows")
-        self._planner.add(Row(state, first_token, num_computed, num_new, num_prompt, block_row))
+        return self._planner
 
     def finish(self) -> StepPlan:
         if self._planner is None:
