@@ -214,3 +214,17 @@ def test_gpu_section_shows_every_timed_kernel_and_its_gpu(tmp_path: Path) -> Non
     interpreted["machine"]["interpreter"] = True
     (tmp_path / "kernels.json").write_text(json.dumps(interpreted))
     assert sections.gpu_section(tmp_path / "kernels.json", DOC_DIR) == ""
+
+
+def test_load_section_reads_every_policy_from_its_json() -> None:
+    path = RESULTS / "load.json"
+    document = json.loads(path.read_text())
+    section = sections.load_section(path, DOC_DIR)
+    rows = {row[0]: row for row in body_rows(section)}
+    assert set(rows) == {result["policy"] for result in document["results"]}
+    for result in document["results"]:
+        row = rows[result["policy"]]
+        assert (int(row[2]), int(row[3]), int(row[5]), int(row[6]), int(row[7])) == (
+            result["completed"], result["cut_off"], result["server_errors"], result["lost"], result["short"])
+        assert row[4] == f"{result['bad_refused']} of {result['bad_refused'] + result['bad_unnamed']}"
+    assert f"request unchanged): {'yes' if document['passed'] else 'NO'}" in section

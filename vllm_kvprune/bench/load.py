@@ -36,7 +36,7 @@ BLOCK_SIZE = 32
 SERVER_FLAGS: dict[str, list[str]] = {
     "streaming": ["--kv-budget", "64", "--kv-sinks", "4"],
     "h2o": ["--kv-budget", "64", "--kv-sinks", "4", "--kv-recent", "16"],
-    "paged_eviction": ["--kv-budget", "64", "--kv-sinks", "4"],
+    "paged_eviction": ["--kv-budget", "128", "--kv-sinks", "4"],  # sink blocks + one evictable + the tail
     "gvote": [],
 }
 GOOD_SETTINGS: dict[str, list[dict]] = {

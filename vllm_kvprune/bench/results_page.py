@@ -113,6 +113,11 @@ def render(results_dir: Path, page_path: Path) -> str:
         documents.append((overhead.name, sections.load(overhead)))
         parts += ["## Metrics", sections.metrics_overhead_section(overhead, page_path.parent)]
 
+    loaded = results_dir / "load.json"
+    if loaded.is_file():
+        documents.append((loaded.name, sections.load(loaded)))
+        parts += ["## Load and bad input", sections.load_section(loaded, page_path.parent)]
+
     gpu_kernels = results_dir / "gpu" / "kernels.json"
     gpu_part = sections.gpu_section(gpu_kernels, page_path.parent) if gpu_kernels.is_file() else ""
     if gpu_part:

@@ -383,6 +383,30 @@ def metrics_overhead_section(path: Path, doc_dir: Path) -> str:
                         markdown_table(["metrics", "tokens/s (median)", "runs"], rows), notes, path, doc_dir)
 
 
+LOAD_HEADERS = ["policy", "good requests", "completed", "cut off by the client", "bad (4xx naming the field)",
+                "5xx", "lost", "short", "preemptions", "pool after", "greedy request unchanged", "s"]
+
+
+def load_section(path: Path, doc_dir: Path) -> str:
+    """`bench load`: what every request of the load got, per policy, and what was left behind."""
+    document = load(path)
+    settings = document.get("settings", {})
+    setup = (f"A real `vllm-kvprune serve` per policy ({'tiny random Llama' if settings.get('tiny') else 'SmolLM2'}, "
+             f"float32), a pool of {settings.get('pool_blocks', MISSING)} blocks of 32 tokens; "
+             f"{settings.get('requests', MISSING)} streaming requests from {settings.get('concurrency', MISSING)} "
+             f"clients at once (prompts of up to {settings.get('max_prompt', MISSING)} random tokens, up to "
+             f"{settings.get('max_tokens', MISSING)} new tokens, random per-request settings, every third cut off "
+             f"mid-stream), one bad request after every {settings.get('bad_every', MISSING)}.")
+    rows = [[r["policy"], str(settings.get("requests", MISSING)), str(r["completed"]), str(r["cut_off"]),
+             f"{r['bad_refused']} of {r['bad_refused'] + r['bad_unnamed']}", str(r["server_errors"]), str(r["lost"]),
+             str(r["short"]), f"{r['preemptions']:.0f}", f"{r['pool_usage_after']:.0%}, {r['blocks_held_after']:.0f} held",
+             "yes" if r["greedy_identical"] else "no", f"{r['seconds']:.0f}"] for r in document.get("results", [])]
+    notes = ["Passed (no 5xx, nothing lost or short, every bad request named, the pool empty, the greedy "
+             "request unchanged): " + ("yes" if document.get("passed") else "NO")]
+    return file_section("Load and bad input (`load.json`)", document, setup, markdown_table(LOAD_HEADERS, rows),
+                        notes, path, doc_dir)
+
+
 # ---- machine -----------------------------------------------------------------------------
 MACHINE_FIELDS = (
     ("CPU", "cpu_model"), ("key CPU flags", "cpu_key_flags"), ("usable cores", "usable_cores"),
