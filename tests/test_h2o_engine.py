@@ -137,7 +137,7 @@ def test_preemption_recompute_is_exact(tiny_model, reference_model):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("budget, interval", [(128, 1), (128, 8)])
+@pytest.mark.parametrize("budget, interval", [(128, 1), pytest.param(128, 8, marks=pytest.mark.heavy)])
 def test_parity_real_model(real_model, budget, interval):
     from vllm_kvprune.reference.model import load_reference_model
 

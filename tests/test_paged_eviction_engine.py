@@ -28,8 +28,13 @@ def engine_policy(budget: int, interval: int = 1, sinks: int = SINKS) -> dict:
 PARITY_CASES = [(32, 96, 1), (32, 96, 2), (64, 192, 1), (64, 192, 2)]
 
 
-@pytest.mark.parametrize("block_size, budget, interval", PARITY_CASES,
-                         ids=[f"bs{b}-B{n}-R{r}" for b, n, r in PARITY_CASES])
+# The suite runs both block sizes and both intervals once each; --heavy, all four.
+SUITE_CASES = {(32, 96, 1), (64, 192, 2)}
+
+
+@pytest.mark.parametrize("block_size, budget, interval", [
+    pytest.param(*case, id=f"bs{case[0]}-B{case[1]}-R{case[2]}", marks=() if case in SUITE_CASES else pytest.mark.heavy)
+    for case in PARITY_CASES])
 def test_parity_with_reference(tiny_model, reference_model, block_size, budget, interval):
     num_tokens = 4 * budget
     prompt_ids = prompts(PROMPT_LENGTHS)
@@ -132,7 +137,7 @@ def test_preemption_recompute_is_exact(tiny_model, reference_model):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("block_size, budget, interval", [(32, 128, 1), (64, 256, 2)])
+@pytest.mark.parametrize("block_size, budget, interval", [(32, 128, 1), pytest.param(64, 256, 2, marks=pytest.mark.heavy)])
 def test_parity_real_model(real_model, block_size, budget, interval):
     from vllm_kvprune.reference.model import load_reference_model
 

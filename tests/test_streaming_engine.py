@@ -60,8 +60,13 @@ PARITY_CASES = [
 ]
 
 
-@pytest.mark.parametrize("positions, interval, prefill", PARITY_CASES,
-                         ids=[f"{p}-R{r}-{f}" for p, r, f in PARITY_CASES])
+# The suite runs a set that covers every pair of settings; --heavy, all eight.
+SUITE_CASES = {("original", 1, "full"), ("original", 8, "streaming"), ("cache", 1, "streaming"), ("cache", 8, "full")}
+
+
+@pytest.mark.parametrize("positions, interval, prefill", [
+    pytest.param(*case, id=f"{case[0]}-R{case[1]}-{case[2]}", marks=() if case in SUITE_CASES else pytest.mark.heavy)
+    for case in PARITY_CASES])
 def test_parity_with_reference(tiny_model, reference_model, positions, interval, prefill):
     policy = dict(budget=BUDGET, sinks=SINKS, prune_interval=interval, positions=positions, prefill=prefill,
                   prefill_chunk=CHUNK)
@@ -233,7 +238,8 @@ def test_request_longer_than_the_whole_pool_completes(tiny_model, reference_mode
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("positions, interval, prefill", [("original", 1, "full"), ("cache", 8, "streaming")])
+@pytest.mark.parametrize("positions, interval, prefill", [
+    pytest.param("original", 1, "full", marks=pytest.mark.heavy), ("cache", 8, "streaming")])
 def test_parity_real_model(real_model, positions, interval, prefill):
     from vllm_kvprune.reference.model import load_reference_model
 
