@@ -3,7 +3,8 @@ bad input, then checked for leaks.
 
 Per policy: a server whose KV pool is small enough that the load forces preemption; one fixed
 greedy request; then `--requests` streaming completions from `--concurrency` clients at once,
-with random prompts (token ids), lengths and per-request settings, a third of them cut off
+with random prompts (token ids; lengths log-uniform, so many short ones grow while long ones
+hold the pool), lengths and per-request settings, a third of them cut off
 mid-stream by the client, and bad requests (settings a policy refuses, unknown keys, wrong
 types) interleaved; then the fixed greedy request again. Afterwards, from the server's own
 `/metrics`: no request running or waiting, the pool empty (vLLM's `kv_cache_usage_perc` and our
@@ -15,6 +16,7 @@ unchanged. Prints a table, writes JSON and a plot.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import random
 import socket
@@ -195,7 +197,10 @@ def load_policy(base: str, model: str, policy: str, args: argparse.Namespace) ->
     jobs: list[tuple[dict, int | None, str | None]] = []  # (body, cut after, bad field)
     for index in range(args.requests):
         max_tokens = rng.randint(8, args.max_tokens)
-        body = {"model": model, "prompt": [rng.randint(100, 30000) for _ in range(rng.randint(4, args.max_prompt))],
+        # Log-uniform lengths: many short prompts, which grow to their cap (or, budget-free, on)
+        # during decode while long ones hold the pool: what makes a capped policy preempt.
+        length = int(math.exp(rng.uniform(math.log(4), math.log(args.max_prompt))))
+        body = {"model": model, "prompt": [rng.randint(100, 30000) for _ in range(length)],
                 "max_tokens": max_tokens, "temperature": rng.choice([0.0, 0.8]), "ignore_eos": True}
         settings = rng.choice(GOOD_SETTINGS[policy])
         if settings:
@@ -307,6 +312,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     settings = {key: getattr(args, key) for key in ("requests", "bad_every", "concurrency", "max_prompt", "max_tokens",
                                                     "pool_blocks", "tiny", "seed")}
+    settings["prompt_lengths"] = "log-uniform from 4"
     common.write_json(out.with_suffix(".json"), NAME, settings, records, passed=all(r["passed"] for r in records))
     figure, axes = common.new_figure(6.0, 3.2)
     names = [r["policy"] for r in records]

@@ -394,7 +394,8 @@ def load_section(path: Path, doc_dir: Path) -> str:
     setup = (f"A real `vllm-kvprune serve` per policy ({'tiny random Llama' if settings.get('tiny') else 'SmolLM2'}, "
              f"float32), a pool of {settings.get('pool_blocks', MISSING)} blocks of 32 tokens; "
              f"{settings.get('requests', MISSING)} streaming requests from {settings.get('concurrency', MISSING)} "
-             f"clients at once (prompts of up to {settings.get('max_prompt', MISSING)} random tokens, up to "
+             f"clients at once (prompts of up to {settings.get('max_prompt', MISSING)} random tokens, lengths "
+             f"{settings.get('prompt_lengths', 'uniform from 4')}, up to "
              f"{settings.get('max_tokens', MISSING)} new tokens, random per-request settings, every third cut off "
              f"mid-stream), one bad request after every {settings.get('bad_every', MISSING)}.")
     rows = [[r["policy"], str(settings.get("requests", MISSING)), str(r["completed"]), str(r["cut_off"]),
