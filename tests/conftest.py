@@ -134,39 +134,11 @@ def engine(model: str, policy: dict | None = None, **kwargs):
 @contextmanager
 def served(model: str, *args: str, log_dir: Path, timeout: float = 300, env: dict | None = None):
     """A real `vllm-kvprune serve MODEL ARGS...` on a free port (`env`: added to its
-    environment); yields its base URL."""
-    import socket
-    import subprocess
-    import time
+    environment); yields its base URL (the launcher `bench load` uses)."""
+    from vllm_kvprune.bench.load import served as serve
 
-    import requests
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    log = log_dir / "server.log"
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **(env or {})}
-    command = [str(VENV_BIN / "vllm-kvprune"), "serve", model, "--port", str(port), *args]
-    with open(log, "w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-        base = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.time() + timeout
-            while True:
-                if process.poll() is not None:
-                    raise RuntimeError(f"server exited:\n{log.read_text()[-3000:]}")
-                try:
-                    if requests.get(f"{base}/health", timeout=2).status_code == 200:
-                        break
-                except requests.ConnectionError:
-                    pass
-                if time.time() > deadline:
-                    raise RuntimeError(f"server did not start:\n{log.read_text()[-3000:]}")
-                time.sleep(1)
-            yield base
-        finally:
-            process.terminate()
-            process.wait(timeout=60)
+    with serve(model, list(args), log_dir / "server.log", env=env, timeout=timeout) as base:
+        yield base
 
 
 def scheduler_of(llm):
