@@ -11,7 +11,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_KVPRUNE_DEBUG", "1")
+os.environ.setdefault("VLLM_KVPRUNE_CHECK", "1")  # the debug invariant mode (engine/checks.py), everywhere
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 

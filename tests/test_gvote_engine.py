@@ -140,6 +140,9 @@ class TestSharedEngine:
         # vLLM's reader gives counters as integers (a mean's fraction is cut off before and after)
         assert evicted > 0 and abs(cached - (evicted + kept)) < 1
         assert grew(("vllm:kvprune_request_kept_tokens", "max")) > kept
+        # the policy's time per step by phase: planning, the vote, the kept K/V moved into head-pages
+        seconds = step_seconds_by_phase(gvote_llm)
+        assert set(seconds) == {"plan", "score", "move"} and all(value > 0 for value in seconds.values())
 
     def test_a_failed_vote_fails_its_request_alone(self, gvote_llm, monkeypatch):
         """Fault containment (worker/faults.py): the vote fails for one request of a batch; it
@@ -185,6 +188,14 @@ def kvprune_totals(llm) -> dict:
             key = (metric.name, metric.labels.get("heads"))
             totals[key] = totals.get(key, 0.0) + (metric.sum if isinstance(metric, Histogram) else metric.value)
     return totals
+
+
+def step_seconds_by_phase(llm) -> dict[str, float]:
+    """`vllm:kvprune_step_seconds` from `LLM.get_metrics()`: the histogram's sum per phase."""
+    from vllm.v1.metrics.reader import Histogram
+
+    return {metric.labels["phase"]: metric.sum for metric in llm.get_metrics()
+            if metric.name == "vllm:kvprune_step_seconds" and isinstance(metric, Histogram)}
 
 
 def test_preemption_and_chunked_prefill(tiny_model, reference_model):

@@ -102,3 +102,25 @@ def test_snapshots_are_written_only_when_due(folder) -> None:
     assert stats.due(force=True) and not stats.due()  # changed, but written moments ago
     stats.write()
     assert os.path.exists(stats.path) and read_snapshots(str(folder))[0]["counters"][0]["value"] == 1
+
+
+def test_the_overhead_stopwatch_times_outermost_calls_once() -> None:
+    """bench metrics-overhead's direct measure: a wrapped function calling another wrapped one
+    is timed once, for its whole duration, and the wrapped functions still return their values."""
+    import time as clock
+    import types
+
+    from vllm_kvprune.bench.metrics_overhead import Stopwatch
+
+    def inner() -> int:
+        clock.sleep(0.02)
+        return 1
+
+    owner = types.SimpleNamespace(inner=inner)
+    owner.outer = lambda: owner.inner() + 1
+    watch = Stopwatch()
+    watch.wrap(owner, "inner")
+    watch.wrap(owner, "outer")
+    assert owner.outer() == 2 and watch.calls == 1
+    assert 0.02 <= watch.seconds < 0.2
+    assert owner.inner() == 1 and watch.calls == 2 and watch.seconds >= 0.04

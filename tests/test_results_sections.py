@@ -228,3 +228,17 @@ def test_load_section_reads_every_policy_from_its_json() -> None:
             result["completed"], result["cut_off"], result["server_errors"], result["lost"], result["short"])
         assert row[4] == f"{result['bad_refused']} of {result['bad_refused'] + result['bad_unnamed']}"
     assert f"request unchanged): {'yes' if document['passed'] else 'NO'}" in section
+
+
+def test_metrics_overhead_section_shows_both_measures_from_its_json() -> None:
+    import statistics
+
+    path = RESULTS / "metrics_overhead.json"
+    document = json.loads(path.read_text())
+    section = sections.metrics_overhead_section(path, DOC_DIR)
+    rows = {row[0]: row for row in body_rows(section)}
+    for result in document["results"]:
+        assert rows[result["metrics"]][1] == f"{statistics.median(result['tokens_per_s']):.1f}"
+    assert f"{document['overhead']:+.2%} of output tokens/s" in section
+    shares = document["metrics_code_shares"]
+    assert f"{statistics.median(shares):.3%} of the wall time, median of {len(shares)} rounds" in section

@@ -379,6 +379,11 @@ def metrics_overhead_section(path: Path, doc_dir: Path) -> str:
     rows = [[r["metrics"], f"{statistics.median(r['tokens_per_s']):.1f}",
              " ".join(f"{v:.1f}" for v in r["tokens_per_s"])] for r in document.get("results", [])]
     notes = [f"Overhead of our metrics: {document.get('overhead', 0):+.2%} of output tokens/s (goal <= 1%)"]
+    shares = document.get("metrics_code_shares")
+    if shares:
+        notes.append(f"Time inside our metrics code (a stopwatch around it in the rounds with metrics on): "
+                     f"{statistics.median(shares):.3%} of the wall time, median of {len(shares)} rounds "
+                     f"(largest {max(shares):.3%})")
     return file_section("Metrics overhead (`metrics_overhead.json`)", document, setup,
                         markdown_table(["metrics", "tokens/s (median)", "runs"], rows), notes, path, doc_dir)
 

@@ -42,7 +42,8 @@ METRICS: dict[str, tuple[str, str]] = {
     "request_kept_tokens": ("histogram", "Tokens a finished request kept in the cache, mean and max over KV heads"),
     "request_blocks_saved": ("histogram", "KV blocks a finished request held less than it would without the policy"),
     "step_seconds": ("histogram", "Time the KV policy took in one engine step (plan: slot maps and moves "
-                                  "planned; score: attention mass, votes)"),
+                                  "planned; score: attention mass, votes, prompt pruning's choice; "
+                                  "move: K/V copied between slots)"),
     "blocks_held": ("gauge", "KV blocks the running requests hold"),
     "blocks_without_pruning": ("gauge", "KV blocks the running requests would hold without the policy"),
 }

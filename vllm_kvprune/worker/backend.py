@@ -128,7 +128,9 @@ class KVPruneImpl(CPUAttentionBackendImpl):
             layer_index = vllm_hooks.layer_index(layer.layer_name)
             plan = self._plan(layer)
             if plan is not None and plan.pre_moves is not None:
+                started = time.perf_counter()
                 narrow.copy(layer_index, kv_cache, *plan.pre_moves, _block_size(kv_cache))
+                _moved_since(started)
             num_tokens = len(slot_mapping)
             narrow.write(layer_index, key[:num_tokens], value[:num_tokens], kv_cache, slot_mapping,
                          _block_size(kv_cache))
@@ -152,10 +154,12 @@ class KVPruneImpl(CPUAttentionBackendImpl):
                 if earlier is not None:
                     captured = (torch.cat([earlier[0], captured[0]]), torch.cat([earlier[1], captured[1]]))
                 state.sink_kv[layer.layer_name] = captured
+            started = time.perf_counter()
             if plan.pre_moves is not None:
                 kernels.copy_slots(kv_cache, *plan.pre_moves, layout)
             if plan.sink_anchors:
                 self._reanchor_sinks(layer, kv_cache, plan, layout)
+            _moved_since(started)
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
 
     def _write_scored(self, layer, key, value, kv_cache, plan: StepPlan) -> None:
@@ -175,9 +179,11 @@ class KVPruneImpl(CPUAttentionBackendImpl):
         layer_index = _layer_index(layer)
         layout = _layout_of(layer, kv_cache)
         if plan.head_moves is not None:
+            started = time.perf_counter()
             sources, destinations = plan.head_moves[0][layer_index], plan.head_moves[1][layer_index]
             kernels.copy_slots(kv_cache, sources, destinations, layout)
             mass.move(layer_index, sources, destinations)
+            _moved_since(started)
         slots = plan.head_slot_mapping[layer_index]
         num_tokens = len(slots)
         kernels.write_slots(key[:num_tokens], value[:num_tokens], kv_cache, slots, layout)
@@ -236,10 +242,12 @@ class KVPruneImpl(CPUAttentionBackendImpl):
                 destinations.append(global_head_slots(vote.block_row, moved_to, num_heads, block_size))
                 if state.pages.is_paged:
                     state.hidden_sum = state.hidden_sumsq = state.hidden_count = None  # the prompt is done
+        worker_state.score_seconds += time.perf_counter() - started
         if sources:
+            started = time.perf_counter()
             kernels.copy_slots(_head_page_view(kv_cache), torch.from_numpy(np.concatenate(sources)),
                                torch.from_numpy(np.concatenate(destinations)), layout)
-        worker_state.score_seconds += time.perf_counter() - started
+            _moved_since(started)
 
     def _accumulate_mass(self, layer, query, kv_cache, attn_metadata, plan: StepPlan,
                          output: torch.Tensor | None = None) -> None:
@@ -266,8 +274,10 @@ class KVPruneImpl(CPUAttentionBackendImpl):
             output[:num_tokens].view(num_tokens, self.num_heads, self.head_size).copy_(attended)
             plan = getattr(attn_metadata, "kvprune_plan", None)
             if plan is not None and plan.post_moves is not None:
+                started = time.perf_counter()
                 narrow.copy(vllm_hooks.layer_index(layer.layer_name), kv_cache, *plan.post_moves,
                             _block_size(kv_cache))
+                _moved_since(started)
             return output
         plan = getattr(attn_metadata, "kvprune_plan", None)
         layer_tables = getattr(attn_metadata, "kvprune_layer_tables", None)
@@ -288,7 +298,9 @@ class KVPruneImpl(CPUAttentionBackendImpl):
         if plan is not None and plan.mass_queries is not None:
             self._accumulate_mass(layer, query, kv_cache, attn_metadata, plan)
         if plan is not None and plan.post_moves is not None:
+            started = time.perf_counter()
             kernels.copy_slots(kv_cache, *plan.post_moves, _layout_of(layer, kv_cache))
+            _moved_since(started)
         if plan is not None and plan.prefill_compactions:
             if plan.head_slot_mapping is not None:
                 self._prune_prompts_per_head(layer, kv_cache, plan)
@@ -299,7 +311,9 @@ class KVPruneImpl(CPUAttentionBackendImpl):
     def _prune_prompts(self, layer, kv_cache, plan: StepPlan) -> None:
         """After a prompt's last chunk has attended to all of it: keep each prompt's best
         tokens of this layer, in order, in its first slots (scores move with them)."""
-        scores = runtime.worker_state().scores
+        worker_state = runtime.worker_state()
+        started = time.perf_counter()
+        scores = worker_state.scores
         layer_index = _layer_index(layer)
         block_size = kv_cache.shape[2]
         sources, destinations = [], []
@@ -312,18 +326,23 @@ class KVPruneImpl(CPUAttentionBackendImpl):
                 state.blocks.set_layer_survivors(layer_index, kept.numpy())
                 sources.append(slots[kept])
                 destinations.append(slots[: compaction.keep])
+        worker_state.score_seconds += time.perf_counter() - started
         if not sources:
             return
+        started = time.perf_counter()
         sources, destinations = torch.cat(sources), torch.cat(destinations)
         moved = sources != destinations
         sources, destinations = sources[moved], destinations[moved]
         kernels.copy_slots(kv_cache, sources, destinations, _layout_of(layer, kv_cache))
         scores.by_slot[layer_index, destinations] = scores.by_slot[layer_index, sources]
+        _moved_since(started)
 
     def _prune_prompts_per_head(self, layer, kv_cache, plan: StepPlan) -> None:
         """After a prompt's last chunk has attended to all of it: each KV head of this layer
         keeps its own `keep` tokens, in order, in the prompt's first slots (mass follows)."""
-        mass = runtime.worker_state().scores
+        worker_state = runtime.worker_state()
+        started = time.perf_counter()
+        mass = worker_state.scores
         layer_index = _layer_index(layer)
         sources, destinations = [], []
         for compaction in faults.live(plan.prefill_compactions):
@@ -337,11 +356,14 @@ class KVPruneImpl(CPUAttentionBackendImpl):
                 destination[source == destination] = SKIP
                 sources.append(source)
                 destinations.append(destination)
+        worker_state.score_seconds += time.perf_counter() - started
         if not sources:
             return
+        started = time.perf_counter()
         sources, destinations = torch.cat(sources), torch.cat(destinations)
         kernels.copy_slots(kv_cache, sources, destinations, _layout_of(layer, kv_cache))
         mass.move(layer_index, sources, destinations)
+        _moved_since(started)
 
     def _reanchor_sinks(self, layer, kv_cache, plan: StepPlan, layout) -> None:
         keys, values, shifts, slots = [], [], [], []
@@ -355,6 +377,11 @@ class KVPruneImpl(CPUAttentionBackendImpl):
         rotate = runtime.worker_state().sink_rotations[layer.layer_name]
         rotated = rotate(torch.cat(keys), torch.cat(shifts))
         kernels.write_slots(rotated, torch.cat(values), kv_cache, torch.cat(slots), layout)
+
+
+def _moved_since(started: float) -> None:
+    """Count the time since `started` as moving K/V (the metrics' `phase="move"`)."""
+    runtime.worker_state().move_seconds += time.perf_counter() - started
 
 
 def _fdc_layers(kv_cache: torch.Tensor):

@@ -15,7 +15,6 @@ ours); a streaming prefill applies the rule at each `prefill_chunk`.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -31,9 +30,6 @@ from vllm_kvprune.worker.slot_map import NO_MOVES, Moves, SlotMap
 
 if TYPE_CHECKING:
     from vllm_kvprune.worker.state import RequestKVState
-
-DEBUG = os.environ.get("VLLM_KVPRUNE_DEBUG", "0") == "1"
-
 
 @dataclass(frozen=True)
 class Row:
@@ -145,8 +141,6 @@ class TokenPlanner(RowPlanner):
             new_slots = slots.append(row.positions)
             if row.in_prompt and config.prefill == "full" and row.ends_prompt:
                 post = evict_for(state, 1)
-        if DEBUG:
-            slots.check()
         self._add_moves(self.pre_moves, row.block_row, pre)
         self._add_moves(self.post_moves, row.block_row, post)
         self.slot_mapping.append(self._global(row.block_row, new_slots))
@@ -215,8 +209,6 @@ class BlockPlanner(RowPlanner):
             blocks.compact(config.budget)
         if not blocks.is_identity():
             self.block_orders.append((len(self.seq_lens) - 1, blocks.order))
-        if DEBUG:
-            blocks.check()
 
     def finish(self) -> StepPlan:
         layer_slots = torch.from_numpy(np.concatenate(self.layer_slots, axis=1))
@@ -266,8 +258,6 @@ class HeadPlanner(RowPlanner):
                 heads.truncate(config.budget - 1)
         self.head_slots.append(self._global(row.block_row, local))
         self.seq_lens.append(kept_before_new + row.num_new)
-        if DEBUG and (heads.is_identity or not (heads.logical == SKIP).any()):  # a pruned prompt: next step
-            heads.check()
 
     def _replace_per_head(self, row: Row) -> np.ndarray:
         """Every head evicts its lowest-mass tokens; returns the new token's local slot per

@@ -166,11 +166,13 @@ class WorkerKVState:
         self.policy = get_policy(engine_config.name) if engine_config.active else None
         # Once the cache exists: LayerScores (block), HeadMass (head) or PagedLayers (headpage).
         self.scores: LayerScores | HeadMass | PagedLayers | None = None
-        # Wall time spent planning steps and scoring (H2O's attention mass, GVote's vote), for
-        # the benchmarks.
+        # Wall time spent planning steps, scoring (H2O's attention mass, GVote's vote, prompt
+        # pruning's choice) and moving K/V between slots (lazy pruning, compactions, sinks),
+        # for the metrics and the benchmarks.
         self.plan_seconds = 0.0
         self.score_seconds = 0.0
-        self._reported_seconds = (0.0, 0.0)  # plan and score time already in a step report
+        self.move_seconds = 0.0
+        self._reported_seconds = (0.0, 0.0, 0.0)  # plan, score, move time already reported
         self._planned: list[str] = []  # requests of the steps planned since the last report
         # VLLM_KVPRUNE_CHECK=1: the last planned step's (request, block row) pairs and block size,
         # checked after the step ran (a head-wise prompt's survivors are set by its layers).
@@ -225,7 +227,7 @@ class WorkerKVState:
     def step_report(self, with_metrics: bool = True) -> dict:
         """What the scheduler needs from this step: head-page footprints, and for its metrics
         (`vllm_kvprune.metrics`) the tokens each of the step's requests keeps now (mean and max
-        over layers and KV heads) and the planning and scoring time since the last report."""
+        over layers and KV heads) and the planning, scoring and moving time since the last report."""
         if self._to_check is not None:
             planned, block_size = self._to_check
             self._to_check = None
@@ -238,9 +240,10 @@ class WorkerKVState:
             report["kept"] = {request_id: self.requests[request_id].kept_tokens() for request_id in self._planned
                               if request_id in self.requests and self.requests[request_id].failure is None}
         self._planned = []
-        plan, score = self._reported_seconds
-        report["seconds"] = {"plan": self.plan_seconds - plan, "score": self.score_seconds - score}
-        self._reported_seconds = (self.plan_seconds, self.score_seconds)
+        plan, score, move = self._reported_seconds
+        report["seconds"] = {"plan": self.plan_seconds - plan, "score": self.score_seconds - score,
+                             "move": self.move_seconds - move}
+        self._reported_seconds = (self.plan_seconds, self.score_seconds, self.move_seconds)
         if isinstance(self.scores, PagedLayers):
             report["footprints"] = self.footprints()
         return report
