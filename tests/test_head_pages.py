@@ -98,6 +98,22 @@ def test_check_catches_a_page_mapped_twice():
         pages.check()
 
 
+def test_check_catches_a_position_held_twice_and_an_unallocated_page():
+    keep = np.ones((LAYERS, HEADS, 8), bool)
+    pages, _ = voted_map(8, keep)
+    pages.check()
+    pages.positions[1, 0, 3] = pages.positions[1, 0, 2]
+    with pytest.raises(InvariantError, match="layer 1 head 0: a position is held twice"):
+        pages.check()
+    pages, _ = voted_map(8, keep)
+    pages.pages[0, 1, 0] = pages.used[0]
+    with pytest.raises(InvariantError, match="layer 0 head 1: a page is missing or unallocated"):
+        pages.check()
+    pages, _ = voted_map(8, keep)
+    pages.positions[0, 1, 8:] = 0  # past its length: not held, so not a repeat
+    pages.check()
+
+
 def test_global_pages_keep_skip_harmless():
     block_row = np.array([5, 6])
     table = np.array([[0, 4, SKIP]])

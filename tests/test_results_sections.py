@@ -242,3 +242,12 @@ def test_metrics_overhead_section_shows_both_measures_from_its_json() -> None:
     assert f"{document['overhead']:+.2%} of output tokens/s" in section
     shares = document["metrics_code_shares"]
     assert f"{statistics.median(shares):.3%} of the wall time, median of {len(shares)} rounds" in section
+
+
+def test_fdc_accuracy_section_shows_every_setting_and_the_99_percent_point() -> None:
+    path = RESULTS / "fdc" / "accuracy.json"
+    document = json.loads(path.read_text())
+    section = sections.fdc_accuracy_section(path, DOC_DIR)
+    assert body_rows(section) == [[str(cell) for cell in row] for row in document["table"]["rows"]]
+    assert {row[0] for row in body_rows(section)} >= {"none"}
+    assert f"mean hit rate (needle, key-value retrieval, arithmetic): {document['summary']['at_99_percent']}" in section

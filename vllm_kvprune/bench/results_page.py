@@ -108,10 +108,12 @@ def render(results_dir: Path, page_path: Path) -> str:
         loaded = [(f"fdc/{path.name}", sections.load(path)) for path in sorted(fdc_folder.glob("*.json"))]
         documents += [(name, document) for name, document in loaded if "machine" in document]
 
-    overhead = results_dir / "metrics_overhead.json"
-    if overhead.is_file():
-        documents.append((overhead.name, sections.load(overhead)))
-        parts += ["## Metrics", sections.metrics_overhead_section(overhead, page_path.parent)]
+    overheads = sorted(results_dir.glob("metrics_overhead*.json")) + sorted(results_dir.glob("checks_overhead*.json"))
+    if overheads:
+        parts.append("## Metrics and debug checks: their cost")
+        for overhead in overheads:
+            documents.append((overhead.name, sections.load(overhead)))
+            parts.append(sections.metrics_overhead_section(overhead, page_path.parent))
 
     loaded = results_dir / "load.json"
     if loaded.is_file():

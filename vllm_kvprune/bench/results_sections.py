@@ -370,22 +370,28 @@ def fdc_accuracy_section(path: Path, doc_dir: Path) -> str:
 
 
 def metrics_overhead_section(path: Path, doc_dir: Path) -> str:
+    """`bench metrics-overhead`: our metrics (or, `switch: checks`, the debug checks) on vs off."""
     document = load(path)
     settings = document.get("settings", {})
-    setup = (f"One engine, `{settings.get('policy', MISSING)}` at budget {settings.get('budget', MISSING)}, "
+    switched = "our metrics" if settings.get("switch", "metrics") == "metrics" else "the debug invariant checks"
+    model = "the tiny random Llama" if settings.get("tiny") else "SmolLM2-135M-Instruct"
+    budget = f" at budget {settings.get('budget', MISSING)}" if settings.get("policy") != "gvote" else ""
+    setup = (f"One engine, {model} in {settings.get('dtype', MISSING)}, `{settings.get('policy', MISSING)}`{budget}, "
              f"{settings.get('requests', MISSING)} requests of {settings.get('prompt_tokens', MISSING)} + "
-             f"{settings.get('gen_tokens', MISSING)} tokens, our metrics on and off in turn over "
+             f"{settings.get('gen_tokens', MISSING)} tokens, {switched} on and off in turn over "
              f"{settings.get('rounds', MISSING)} rounds; vLLM's own stats on in both.")
     rows = [[r["metrics"], f"{statistics.median(r['tokens_per_s']):.1f}",
              " ".join(f"{v:.1f}" for v in r["tokens_per_s"])] for r in document.get("results", [])]
-    notes = [f"Overhead of our metrics: {document.get('overhead', 0):+.2%} of output tokens/s (goal <= 1%)"]
+    goal = " (goal <= 1%)" if switched == "our metrics" else ""
+    notes = [f"Overhead of {switched}: {document.get('overhead', 0):+.2%} of output tokens/s{goal}"]
     shares = document.get("metrics_code_shares")
     if shares:
         notes.append(f"Time inside our metrics code (a stopwatch around it in the rounds with metrics on): "
                      f"{statistics.median(shares):.3%} of the wall time, median of {len(shares)} rounds "
                      f"(largest {max(shares):.3%})")
-    return file_section("Metrics overhead (`metrics_overhead.json`)", document, setup,
-                        markdown_table(["metrics", "tokens/s (median)", "runs"], rows), notes, path, doc_dir)
+    heading = "Metrics overhead" if switched == "our metrics" else "Debug checks overhead"
+    return file_section(f"{heading} (`{path.name}`)", document, setup,
+                        markdown_table(["on/off", "tokens/s (median)", "runs"], rows), notes, path, doc_dir)
 
 
 LOAD_HEADERS = ["policy", "good requests", "completed", "cut off by the client", "bad (4xx naming the field)",

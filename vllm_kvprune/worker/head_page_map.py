@@ -177,23 +177,35 @@ class HeadPageMap:
         return sum(part.nbytes for part in held if part is not None)
 
     def check(self) -> None:
+        """The invariants above, over every layer and head at once (the debug mode runs this
+        for every planned request in every step)."""
         if self.lengths is None:
             return
-        bs = self.block_size
-        for layer in range(self.num_layers):
-            listed = []
-            for head in range(self.num_heads):
-                count = -(-int(self.lengths[layer, head]) // bs)
-                pages = self.pages[layer, head, :count]
-                if (pages == SKIP).any() or (pages >= self.used[layer]).any():
-                    raise InvariantError(f"layer {layer} head {head}: a page is missing or unallocated")
-                listed.append(pages)
-                held = self.kept_positions(layer, head)
-                if len(np.unique(held)) != len(held):
-                    raise InvariantError(f"layer {layer} head {head}: a position is held twice")
-            listed = np.concatenate(listed)
-            if len(np.unique(listed)) != len(listed):
-                raise InvariantError(f"layer {layer}: a head-page is mapped twice")
+        counts = -(-self.lengths // self.block_size)  # [L, H] pages each head lists
+        if (counts > self.pages.shape[2]).any() or (self.lengths > self.positions.shape[2]).any():
+            raise InvariantError("a head lists more pages or tokens than its map holds")
+        listed = np.arange(self.pages.shape[2]) < counts[..., None]  # [L, H, P]
+        bad = listed & ((self.pages == SKIP) | (self.pages >= self.used[:, None, None]))
+        if bad.any():
+            layer, head = np.argwhere(bad.any(axis=2))[0]
+            raise InvariantError(f"layer {layer} head {head}: a page is missing or unallocated")
+        held = np.arange(self.positions.shape[2]) < self.lengths[..., None]  # [L, H, capacity]
+        twice = _rows_with_a_repeat(self.positions.reshape(-1, self.positions.shape[2]),
+                                    held.reshape(-1, held.shape[2]))
+        if len(twice):
+            layer, head = divmod(int(twice[0]), self.num_heads)
+            raise InvariantError(f"layer {layer} head {head}: a position is held twice")
+        twice = _rows_with_a_repeat(self.pages.reshape(self.num_layers, -1), listed.reshape(self.num_layers, -1))
+        if len(twice):
+            raise InvariantError(f"layer {twice[0]}: a head-page is mapped twice")
+
+
+def _rows_with_a_repeat(values: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """Rows of `values [N, M]` where a value appears twice among the `valid` entries: the others
+    are replaced by distinct values above any real one, then each row is sorted."""
+    above = np.iinfo(np.int64).max - np.arange(values.shape[1], dtype=np.int64)
+    ordered = np.sort(np.where(valid, values, above), axis=1)
+    return np.flatnonzero((np.diff(ordered, axis=1) == 0).any(axis=1))
 
 
 def global_head_slots(block_row: np.ndarray, local: np.ndarray, num_heads: int, block_size: int) -> np.ndarray:
