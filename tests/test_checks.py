@@ -31,6 +31,14 @@ def test_planned_maps_catch_a_position_twice_and_a_shared_slot() -> None:
         checks.check_planned([("a", _state([0, 1, 2]), np.array([5])), ("b", _state([0, 1]), np.array([5]))], 4)
 
 
+def test_planned_maps_catch_a_write_outside_the_requests_own_blocks() -> None:
+    checks.check_planned([("a", _state([0, 1, 2, 3, 4]), np.array([5, 6, 0]))], 4)  # 5 tokens, 2 blocks
+    with pytest.raises(InvariantError, match="request a's map reaches 2 blocks, its block-table row holds 1"):
+        checks.check_planned([("a", _state([0, 1, 2, 3, 4]), np.array([5, 0, 0]))], 4)  # block 0: vLLM's null
+    with pytest.raises(InvariantError, match="reaches 2 blocks"):
+        checks.check_planned([("a", _state([0, 1, 2, 3, 4]), np.array([5]))], 4)  # past the row
+
+
 class _Block:
     def __init__(self, block_id: int, ref_cnt: int = 1) -> None:
         self.block_id, self.ref_cnt, self.is_null = block_id, ref_cnt, block_id == 0

@@ -118,3 +118,16 @@ def test_global_pages_keep_skip_harmless():
     block_row = np.array([5, 6])
     table = np.array([[0, 4, SKIP]])
     assert global_head_pages(block_row, table, HEADS).tolist() == [[5 * HEADS, 6 * HEADS + 1, 0]]
+
+
+def test_blocks_spanned_follow_the_pages_in_use():
+    """The debug checks' span: uniform, every block the prompt filled; voted, the blocks that
+    hold the busiest layer's head-pages (page j lives in local block j // H)."""
+    pages = HeadPageMap(LAYERS, HEADS, BS)
+    pages.append_uniform(9)
+    assert pages.blocks_spanned(BS) == 3  # 9 tokens of 4 per block
+    keep = np.zeros((LAYERS, HEADS, 9), bool)
+    keep[0, :, :5] = True  # layer 0: 2 pages per head, 6 pages: 2 blocks
+    keep[1, 0, :1] = keep[1, 1, :1] = keep[1, 2, :1] = True  # layer 1: 3 pages: 1 block
+    pages, _ = voted_map(9, keep)
+    assert pages.used.tolist() == [6, 3] and pages.blocks_spanned(BS) == 2

@@ -9,8 +9,10 @@ request is freed or preempted):
   never prefix-cached, so sharing one is always a bug);
 - a finished, aborted or preempted request holds no block, and an idle engine's pool is whole.
 Worker side (`WorkerKVState.plan`, `check_planned`): each planned request's map holds every
-position at most once and no slot twice (`check()` of its map), and no two slot-mapped requests
-hold the same physical slot.
+position at most once and no slot twice (`check()` of its map), every block its map reaches is
+a real block of its own block-table row (no write outside its own blocks: not into vLLM's null
+block, not past its row), and no two slot-mapped requests hold the same physical slot (with the
+scheduler's check that no block is held twice, no request writes into another's blocks).
 """
 
 from __future__ import annotations
@@ -63,6 +65,15 @@ def check_released(scheduler: Any, request_id: str) -> None:
         raise InvariantError(f"kvprune check: request {request_id} was freed but still holds {held} blocks")
 
 
+def _check_inside_own_blocks(request_id: str, spanned: int, block_row: np.ndarray) -> None:
+    """A map reads and writes its request's first `spanned` local blocks: each must be a real
+    block of the request's row (block 0 is vLLM's null block, a row's padding)."""
+    if spanned > len(block_row) or (block_row[:spanned] == 0).any():
+        real = int(np.count_nonzero(block_row[:spanned]))
+        raise InvariantError(f"kvprune check: request {request_id}'s map reaches {spanned} blocks, its block-table "
+                             f"row holds {real} of them: a write outside its own blocks")
+
+
 def check_planned(states: list[tuple[str, Any, np.ndarray]], block_size: int) -> None:
     """`states`: (request id, its RequestKVState, its block-table row) for each planned row."""
     held_slots, holders = [], []
@@ -70,6 +81,7 @@ def check_planned(states: list[tuple[str, Any, np.ndarray]], block_size: int) ->
         for held in (state.slots, state.heads, state.blocks, state.pages):
             if held is not None:
                 held.check()
+                _check_inside_own_blocks(request_id, held.blocks_spanned(block_size), np.asarray(block_row))
         if state.heads is None and state.blocks is None and state.pages is None:
             slots = np.arange(state.slots.num_valid)
             held_slots.append(np.asarray(block_row)[slots // block_size] * block_size + slots % block_size)

@@ -58,6 +58,10 @@ class LayerBlockMap:
         """Blocks in use or free, in every layer."""
         return self.order.shape[1] + self.free.shape[1]
 
+    def blocks_spanned(self, block_size: int) -> int:
+        """Leading local blocks of the request's row its layers read (used or free in each)."""
+        return self.num_blocks
+
     @property
     def tail_full(self) -> bool:
         return self.num_valid % self.block_size == 0

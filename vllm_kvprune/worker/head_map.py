@@ -45,6 +45,10 @@ class HeadSlotMap:
         """Tokens held (mean and max over heads and layers: every head holds the same count)."""
         return float(self.num_valid), self.num_valid
 
+    def blocks_spanned(self, block_size: int) -> int:
+        """Leading local blocks of the request's row its slots live in (debug checks)."""
+        return -(-self.num_valid // block_size)
+
     @property
     def num_heads(self) -> int:
         return self._shape[1]

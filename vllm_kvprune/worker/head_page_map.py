@@ -52,6 +52,13 @@ class HeadPageMap:
             return float(self.num_uniform), self.num_uniform
         return float(self.lengths.mean()), int(self.lengths.max())
 
+    def blocks_spanned(self, block_size: int) -> int:
+        """Leading local blocks of the request's row its head-pages live in (debug checks):
+        head-page j is in local block j // H."""
+        if self.lengths is None:
+            return -(-self.num_uniform // block_size)
+        return -(-int(self.used.max()) // self.num_heads)
+
     # ---- while uniform ----------------------------------------------------------------
     def append_uniform(self, num_new: int) -> np.ndarray:
         """Prompt tokens, every head the same slot; returns their token indices `[q]`."""

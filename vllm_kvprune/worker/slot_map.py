@@ -33,6 +33,10 @@ class SlotMap:
         """Tokens held (mean and max over heads and layers: every one holds the same)."""
         return float(self.num_valid), self.num_valid
 
+    def blocks_spanned(self, block_size: int) -> int:
+        """Leading local blocks of the request's row its slots live in (debug checks)."""
+        return -(-self.num_valid // block_size)
+
     def append(self, positions: np.ndarray) -> np.ndarray:
         """Put new tokens in the next free slots; returns their slot indices."""
         start = self.num_valid
