@@ -11,6 +11,9 @@ types) interleaved; then the fixed greedy request again. Afterwards, from the se
 `blocks_held`), and the preemptions that happened. A run passes with zero 5xx answers, zero lost
 or short completions, every bad input a 4xx naming its field, an empty pool and the greedy text
 unchanged. Prints a table, writes JSON and a plot.
+
+`fdc` and `streaming+fdc` (FDC composed with streaming) run on a calibration the bench makes
+first, on the same model (random tokens, `--fdc-tokens`, removal rate 0.1).
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 NAME = "load"
-POLICIES = ("streaming", "h2o", "paged_eviction", "gvote")
+POLICIES = ("streaming", "h2o", "paged_eviction", "gvote", "fdc", "streaming+fdc")
+FDC_FILE = "{fdc}"  # in SERVER_FLAGS: the calibration the bench makes
 BLOCK_SIZE = 32
 # Per policy: (settings the server starts with, good per-request settings to draw from).
 SERVER_FLAGS: dict[str, list[str]] = {
@@ -40,12 +44,16 @@ SERVER_FLAGS: dict[str, list[str]] = {
     "h2o": ["--kv-budget", "64", "--kv-sinks", "4", "--kv-recent", "16"],
     "paged_eviction": ["--kv-budget", "128", "--kv-sinks", "4"],  # sink blocks + one evictable + the tail
     "gvote": [],
+    "fdc": ["--kv-fdc", FDC_FILE],
+    "streaming+fdc": ["--kv-budget", "64", "--kv-sinks", "4", "--kv-fdc", FDC_FILE],
 }
 GOOD_SETTINGS: dict[str, list[dict]] = {
     "streaming": [{}, {"kv_budget": 32}, {"kv_budget": 96, "kv_sinks": 8}],
     "h2o": [{}, {"kv_budget": 48}, {"kv_budget": 96, "kv_recent": 32}],
     "paged_eviction": [{}, {"kv_budget": 96}, {"kv_budget": 128}],
     "gvote": [{}, {"kv_gvote_p": 0.8}, {"kv_gvote_p": 0.6, "kv_gvote_samples": 4}],
+    "fdc": [{}],  # budget-free, no per-request settings
+    "streaming+fdc": [{}, {"kv_budget": 32}, {"kv_budget": 96, "kv_sinks": 8}],
 }
 # (per-request settings, the field the 400 must name); every policy refuses each (a setting of
 # another policy, an unknown key, a wrong type, a value out of range).
@@ -89,6 +97,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                              "the load preempts")
     parser.add_argument("--tiny", action="store_true", help="the tiny random Llama (default: the real model)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fdc-tokens", type=int, default=2048, help="random tokens of the fdc calibration")
     parser.add_argument("--out", default="results/load")
     parser.set_defaults(run=run)
 
@@ -258,6 +267,16 @@ def wait_idle(base: str, timeout: float = 120) -> dict:
         time.sleep(1)
 
 
+def fdc_calibration(model: str, args: argparse.Namespace, work: Path) -> Path:
+    """The calibration `fdc` and `streaming+fdc` serve with, made once per run."""
+    from vllm_kvprune.fdc import calibration as fdc
+
+    path = work / "load.fdc.safetensors"
+    if not path.is_file():
+        fdc.calibrate(model, tokens=args.fdc_tokens, seed=args.seed, rate=0.1).save(path)
+    return path
+
+
 def run_policy(model: str, policy: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from vllm_kvprune.bench.throughput import EngineSettings
 
@@ -270,7 +289,9 @@ def run_policy(model: str, policy: str, args: argparse.Namespace, work: Path) ->
     flags = ["--dtype", "float32", "--enforce-eager", "--block-size", str(BLOCK_SIZE), "--max-model-len",
              str(max_model_len),
              "--max-num-seqs", "32", "--kv-cache-memory-bytes", str((args.pool_blocks + 1) * block_bytes),  # + vLLM's null block
-             "--kv-policy", policy, *SERVER_FLAGS[policy]]
+             "--kv-policy", policy.split("+")[0], *SERVER_FLAGS[policy]]
+    if FDC_FILE in flags:
+        flags[flags.index(FDC_FILE)] = str(fdc_calibration(model, args, work))
     with served(model, flags, work / f"server-{policy}.log") as base:
         before_text = _greedy(base, model)
         before = scrape(base)
