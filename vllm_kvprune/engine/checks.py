@@ -78,13 +78,14 @@ def check_planned(states: list[tuple[str, Any, np.ndarray]], block_size: int) ->
     """`states`: (request id, its RequestKVState, its block-table row) for each planned row."""
     held_slots, holders = [], []
     for request_id, state, block_row in states:
+        block_row = np.asarray(block_row)
         for held in (state.slots, state.heads, state.blocks, state.pages):
             if held is not None:
                 held.check()
-                _check_inside_own_blocks(request_id, held.blocks_spanned(block_size), np.asarray(block_row))
+                _check_inside_own_blocks(request_id, held.blocks_spanned(block_size), block_row)
         if state.heads is None and state.blocks is None and state.pages is None:
             slots = np.arange(state.slots.num_valid)
-            held_slots.append(np.asarray(block_row)[slots // block_size] * block_size + slots % block_size)
+            held_slots.append(block_row[slots // block_size] * block_size + slots % block_size)
             holders += [request_id] * len(slots)
     if held_slots:
         every = np.concatenate(held_slots)

@@ -154,12 +154,13 @@ class KVPruneImpl(CPUAttentionBackendImpl):
                 if earlier is not None:
                     captured = (torch.cat([earlier[0], captured[0]]), torch.cat([earlier[1], captured[1]]))
                 state.sink_kv[layer.layer_name] = captured
-            started = time.perf_counter()
-            if plan.pre_moves is not None:
-                kernels.copy_slots(kv_cache, *plan.pre_moves, layout)
-            if plan.sink_anchors:
-                self._reanchor_sinks(layer, kv_cache, plan, layout)
-            _moved_since(started)
+            if plan.pre_moves is not None or plan.sink_anchors:  # a step that moves nothing records no time
+                started = time.perf_counter()
+                if plan.pre_moves is not None:
+                    kernels.copy_slots(kv_cache, *plan.pre_moves, layout)
+                if plan.sink_anchors:
+                    self._reanchor_sinks(layer, kv_cache, plan, layout)
+                _moved_since(started)
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
 
     def _write_scored(self, layer, key, value, kv_cache, plan: StepPlan) -> None:
