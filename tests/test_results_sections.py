@@ -200,8 +200,9 @@ def test_fdc_section_shows_every_calibration_and_sweep_point() -> None:
         assert (DOC_DIR / link).resolve().is_file(), link
 
 
-def test_gpu_section_shows_every_timed_kernel_and_its_gpu(tmp_path: Path) -> None:
-    path = RESULTS / "gpu" / "kernels.json"
+@pytest.mark.parametrize("name", ["kernels_h100.json", "kernels_h200.json"])
+def test_gpu_section_shows_every_timed_kernel_and_its_gpu(tmp_path: Path, name: str) -> None:
+    path = RESULTS / "gpu" / name
     document = json.loads(path.read_text())
     text = sections.gpu_section(path, DOC_DIR)
     assert document["machine"]["gpu"] in text
@@ -209,11 +210,29 @@ def test_gpu_section_shows_every_timed_kernel_and_its_gpu(tmp_path: Path) -> Non
     assert len(body) == len(document["results"])
     for cells, row in zip(body, document["results"]):
         assert cells[:3] == [row["case"], row["candidate"], f"{row['ms']:.4f}"]
+    passed = re.search(r"(\d+) passed", (path.parent / name.replace("kernels", "pytest").replace(".json", ".txt")).read_text())
+    assert f"{passed.group(1)} passed" in text
     # An interpreter run times nothing: no section from it.
     interpreted = copy.deepcopy(document)
     interpreted["machine"]["interpreter"] = True
     (tmp_path / "kernels.json").write_text(json.dumps(interpreted))
     assert sections.gpu_section(tmp_path / "kernels.json", DOC_DIR) == ""
+
+
+def test_fdc_tiles_section_shows_the_fastest_and_slowest_tile_of_each_width() -> None:
+    path = RESULTS / "gpu" / "fdc_tiles_h200.json"
+    document = json.loads(path.read_text())
+    text = sections.fdc_tiles_section(path, DOC_DIR)
+    assert document["machine"]["gpu"] in text
+    body = tables(text)[0][2:]
+    for case in {row["case"] for row in document["results"] if row["case"].startswith("fdc tiles")}:
+        for width in ("full width", "50% dims"):
+            tried = [row for row in document["results"] if row["case"] == case and row["candidate"].startswith(width)]
+            fastest = min(tried, key=lambda row: row["ms"])
+            assert [case, f"fastest of {len(tried)}: {fastest['candidate']}", f"{fastest['ms']:.4f}"] in [
+                cells[:3] for cells in body]
+    split_rows = [row for row in document["results"] if "key splits" in row["candidate"]]
+    assert split_rows and all(row["candidate"] in text for row in split_rows)
 
 
 def test_load_section_reads_every_policy_from_its_json() -> None:

@@ -105,6 +105,47 @@ def test_block_size_not_a_power_of_two(group: int) -> None:
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(("splits", "block_size"), [(2, 16), (4, 24), (8, 16)])
+@pytest.mark.parametrize("group", [1, 3])
+def test_decode_with_key_splits_matches_reference(splits: int, group: int, block_size: int) -> None:
+    """Flash-decoding: each task's keys over `splits` programs, partials combined. Lengths
+    shorter than one split (empty partials), ending mid-split and mid-block; 24-slot blocks go
+    key by key; both launch orders."""
+    lens = (1, 17, 130, 50, 3)
+    case = _case(31 + splits + group, group, block_size, (1,) * len(lens), lens)
+    query, cache, table, starts, seq_lens, heads = case
+    expected = reduced_attention_reference(query, cache, table, starts, seq_lens, heads, 0.2, OUTPUT_WIDTH, block_size)
+    for balanced in (True, False):
+        got = triton_fdc.reduced_attention(query.to(DEVICE), cache.to(DEVICE), table.to(DEVICE), starts.to(DEVICE),
+                                           seq_lens.to(DEVICE), heads, 0.2, OUTPUT_WIDTH, balanced, block_size,
+                                           key_splits=splits, max_seq_len=max(lens)).cpu()
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        for h, v_rank in enumerate(V_RANKS):
+            assert not got[:, h * group:(h + 1) * group, v_rank:].any()
+
+
+def test_key_splits_leave_prefill_unchanged() -> None:
+    """A mixed batch ignores key_splits (prefill tiles are not split): bit-identical."""
+    case = _case(41, 3, 16, (1, 18, 1, 5), (40, 18, 7, 12))
+    query, cache, table, starts, lens, heads = (t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in case)
+    plain = triton_fdc.reduced_attention(query, cache, table, starts, lens, heads, 0.2, OUTPUT_WIDTH, block_size=16)
+    split = triton_fdc.reduced_attention(query, cache, table, starts, lens, heads, 0.2, OUTPUT_WIDTH, block_size=16,
+                                         key_splits=4, max_seq_len=40)
+    assert torch.equal(plain, split)
+
+
+def test_choose_key_splits() -> None:
+    # 300 tasks fill 132 SMs twice over: no split; 256 do not: 2; 32 tasks of 4096 keys: 16
+    # splits of 256 keys (512 programs).
+    assert triton_fdc.choose_key_splits(300, 4096, 132) == 1
+    assert triton_fdc.choose_key_splits(256, 4096, 132) == 2
+    assert triton_fdc.choose_key_splits(32, 4096, 132) == 16
+    assert triton_fdc.choose_key_splits(32, 4096, 132, min_keys=1024) == 4
+    # Short sequences are not split below min_keys per split.
+    assert triton_fdc.choose_key_splits(8, 600, 132) == 2
+    assert triton_fdc.choose_key_splits(8, 300, 132) == 1
+
+
 def test_default_block_size_is_what_a_block_holds() -> None:
     case = _case(5, 1, 16, (2, 1), (9, 16))
     query, cache, table, starts, lens, heads = case
@@ -165,6 +206,10 @@ def test_reduced_attention_rejects_bad_inputs() -> None:
         call(block_size=64)
     with pytest.raises(ValueError, match="integer"):
         call(seq_lens=lens.float())
+    with pytest.raises(ValueError, match="power of two"):
+        call(key_splits=3, max_seq_len=9)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        call(key_splits=2)
 
 
 def _vote_case(seed: int, num_kv_heads: int, group: int, samples: int, num_keys: int, head_dim: int = 8):

@@ -10,7 +10,9 @@ torch on one GPU, at decode shapes (batch 32), each case checked against torch b
   length) vs the padded alternative (every head of a request at its longest head's length, the
   paged kernel) vs dense torch with a mask.
 * fdc: reduced-dimension decode attention at 50% and adaptive ranks vs the same kernel at full
-  width vs torch's ``scaled_dot_product_attention`` at full width; LPT vs natural task order.
+  width vs torch's ``scaled_dot_product_attention`` at full width; LPT vs natural task order;
+  the keys of each task split over 2-16 programs (flash-decoding), at batch 32 and for a few
+  long sequences (batch / 8 at 4 x the length).
 * paged-eviction: token scores at write time and block means vs the torch expressions.
 * gvote: the vote (union of synthetic queries' top-budget keys) vs ``GVotePolicy.keep_mask``.
 
@@ -34,7 +36,8 @@ from typing import Any, Callable
 import torch
 
 NAME = "gpu-kernels"
-DEFAULT_OUT = "results/gpu/kernels"
+# Written as results/gpu/kernels_<gpu>.json (kernels_h200.json; kernels_interpreter.json without a GPU).
+DEFAULT_OUT_DIR = "results/gpu"
 
 
 @dataclass(frozen=True)
@@ -59,8 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     add("--tiny", action="store_true", help="small shapes (the interpreter run of the tests)")
-    add("--cases", nargs="+", default=list(CASES), choices=list(CASES), help="which cases (default: all)")
-    add("--out", default=DEFAULT_OUT, help="writes STEM.json and STEM.png")
+    add("--cases", nargs="+", default=list(CASES), choices=[*CASES, *SWEEPS],
+        help=f"which cases (default: all but the sweeps {', '.join(SWEEPS)})")
+    add("--out", default=None, help="writes STEM.json and STEM.png (default: results/gpu/kernels_<gpu>)")
 
 
 def _device() -> str:
@@ -272,12 +276,20 @@ def case_head_pages(shapes: Shapes, dtype: torch.dtype, device: str, rows: list)
 
 # ---- fdc ----------------------------------------------------------------------------------------
 def case_fdc(shapes: Shapes, dtype: torch.dtype, device: str, rows: list) -> None:
+    """Batch x seq_len as every case, then few long sequences (batch / 8, 4 x seq_len), where the
+    tasks alone leave multiprocessors idle and splitting the keys (flash-decoding) matters."""
+    _fdc_case("fdc decode", shapes.batch, shapes.seq_len, shapes, dtype, device, rows, every_rank_set=True)
+    _fdc_case("fdc decode, few long", max(1, shapes.batch // 8), 4 * shapes.seq_len, shapes, dtype, device, rows,
+              every_rank_set=False)
+
+
+def _fdc_case(name: str, batch: int, length: int, shapes: Shapes, dtype: torch.dtype, device: str, rows: list,
+              every_rank_set: bool) -> None:
     from vllm_kvprune.kernels.reduced_attention import PackedHeads
     from vllm_kvprune.kernels.triton import reduced_attention as triton_fdc
 
     generator = torch.Generator().manual_seed(3)
-    batch, heads, group, dim, length, bs = (shapes.batch, shapes.kv_heads, shapes.group, shapes.head_dim,
-                                            shapes.seq_len, shapes.block_size)
+    heads, group, dim, bs = shapes.kv_heads, shapes.group, shapes.head_dim, shapes.block_size
     scale = dim ** -0.5
     query = torch.randn(batch, heads * group, dim, generator=generator).to(device, dtype)
     dense_k = torch.randn(batch, heads, length, dim, generator=generator).to(device, dtype)
@@ -287,7 +299,9 @@ def case_fdc(shapes: Shapes, dtype: torch.dtype, device: str, rows: list) -> Non
     query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device=device)
     seq_lens = torch.full((batch,), length, dtype=torch.int32, device=device)
     slots = torch.arange(batch * length, device=device)
-    case = Case("fdc decode", device, rows)
+    multiprocessors = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 4
+    chosen = triton_fdc.choose_key_splits(batch * heads, length, multiprocessors)
+    case = Case(name, device, rows)
 
     def sdpa() -> torch.Tensor:
         return torch.nn.functional.scaled_dot_product_attention(
@@ -297,10 +311,11 @@ def case_fdc(shapes: Shapes, dtype: torch.dtype, device: str, rows: list) -> Non
     case.time("torch SDPA, full width", sdpa, baseline=True, kv_kept=1.0)
     adaptive = torch.randint(max(dim // 8, 1), dim + 1, (2, heads), generator=generator)
     rank_sets = {"full width": ([dim] * heads, [dim] * heads),
-                 "50% dims": ([dim // 2] * heads, [dim // 2] * heads),
-                 "adaptive ranks": (adaptive[0].tolist(), adaptive[1].tolist()),
-                 "adaptive ranks up to a multiple of 8": ((-(-adaptive[0] // 8) * 8).clamp(max=dim).tolist(),
-                                                          (-(-adaptive[1] // 8) * 8).clamp(max=dim).tolist())}
+                 "50% dims": ([dim // 2] * heads, [dim // 2] * heads)}
+    if every_rank_set:
+        rank_sets.update({"adaptive ranks": (adaptive[0].tolist(), adaptive[1].tolist()),
+                          "adaptive ranks up to a multiple of 8": ((-(-adaptive[0] // 8) * 8).clamp(max=dim).tolist(),
+                                                                   (-(-adaptive[1] // 8) * 8).clamp(max=dim).tolist())})
     for label, (k_ranks, v_ranks) in rank_sets.items():
         packed = PackedHeads.from_ranks(k_ranks, v_ranks)
         cache = torch.empty(batch * per_request, bs * packed.row_width, dtype=dtype, device=device)
@@ -310,12 +325,72 @@ def case_fdc(shapes: Shapes, dtype: torch.dtype, device: str, rows: list) -> Non
             packed.k_ranks, packed.v_ranks, packed.k_offsets, packed.v_offsets, packed.row_width)))
         _write_packed(cache, packed, slots, flat_k, flat_v, bs)
         kept = (sum(k_ranks) + sum(v_ranks)) / (2 * heads * dim)
-        for balanced in ((True, False) if label == "adaptive ranks" else (True,)):
-            call = lambda balanced=balanced: triton_fdc.reduced_attention(  # noqa: E731
-                query, cache, block_table, query_start_loc, seq_lens, device_heads, scale, dim, balanced, bs)
+        # (launch order, key splits): LPT vs natural for adaptive ranks; at full width and 50%
+        # every power-of-two split up to 16, the one choose_key_splits picks marked.
+        variants = [(True, 1), (False, 1)] if label == "adaptive ranks" else [(True, 1)]
+        if label in ("full width", "50% dims"):
+            variants += [(True, splits) for splits in (2, 4, 8, 16) if length >= splits * 64]
+        for balanced, splits in variants:
+            call = lambda balanced=balanced, splits=splits: triton_fdc.reduced_attention(  # noqa: E731
+                query, cache, block_table, query_start_loc, seq_lens, device_heads, scale, dim, balanced, bs,
+                key_splits=splits, max_seq_len=length)
             error = _error(call().to(dtype), expected) if label == "full width" else None
             schedule = "" if label != "adaptive ranks" else (", LPT order" if balanced else ", natural order")
-            case.time(f"Triton reduced, {label}{schedule}", call, error, kv_kept=kept)
+            split_label = "" if splits == 1 else f", {splits} key splits" + (" (chosen)" if splits == chosen else "")
+            case.time(f"Triton reduced, {label}{schedule}{split_label}", call, error, kv_kept=kept, key_splits=splits)
+
+
+def case_fdc_tiles(shapes: Shapes, dtype: torch.dtype, device: str, rows: list) -> None:
+    """Not in the default run: a sweep of the fdc decode kernel's tiles (keys per step, warps,
+    pipeline stages), key splits and cache block sizes, at 50% dims and full width, for both
+    fdc shapes; each row against SDPA at full width on the same inputs."""
+    import itertools
+
+    from vllm_kvprune.kernels.reduced_attention import PackedHeads
+    from vllm_kvprune.kernels.triton import reduced_attention as triton_fdc
+
+    heads, group, dim = shapes.kv_heads, shapes.group, shapes.head_dim
+    tiny = shapes is TINY
+    # Key splits fixed per shape (none at batch 32, 4 for the few long: the best of the fdc case).
+    for batch, length, splits in ((shapes.batch, shapes.seq_len, 1), (max(1, shapes.batch // 8), 4 * shapes.seq_len, 4)):
+        generator = torch.Generator().manual_seed(5)
+        query = torch.randn(batch, heads * group, dim, generator=generator).to(device, dtype)
+        dense_k = torch.randn(batch, heads, length, dim, generator=generator).to(device, dtype)
+        dense_v = torch.randn(batch, heads, length, dim, generator=generator).to(device, dtype)
+        scale = dim ** -0.5
+        case = Case(f"fdc tiles, batch {batch} x {length} keys", device, rows)
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, None, :], dense_k, dense_v, scale=scale, enable_gqa=True)[:, :, 0, :]
+        case.time("torch SDPA, full width", lambda: torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, None, :], dense_k, dense_v, scale=scale, enable_gqa=True), baseline=True)
+        flat_k = dense_k.permute(0, 2, 1, 3).reshape(-1, heads, dim)
+        flat_v = dense_v.permute(0, 2, 1, 3).reshape(-1, heads, dim)
+        for block_size, width in itertools.product((16,) if tiny else (16, 64), (dim, dim // 2)):
+            packed = PackedHeads.from_ranks([width] * heads, [width] * heads)
+            per_request = length // block_size
+            table = torch.arange(batch * per_request, dtype=torch.int32, device=device).view(batch, per_request)
+            cache = torch.empty(batch * per_request, block_size * packed.row_width, dtype=dtype, device=device)
+            _write_packed(cache, packed, torch.arange(batch * length, device=device), flat_k, flat_v, block_size)
+            on_device = PackedHeads(*(t.to(device) if isinstance(t, torch.Tensor) else t for t in (
+                packed.k_ranks, packed.v_ranks, packed.k_offsets, packed.v_offsets, packed.row_width)))
+            starts = torch.arange(batch + 1, dtype=torch.int32, device=device)
+            lens = torch.full((batch,), length, dtype=torch.int32, device=device)
+            grid = itertools.product((64, 128), (4, 8), (2, 3, 4)) if not tiny else [(32, 4, 2)]
+            for block_n, warps, stages in grid:
+                triton_fdc._TILE_OVERRIDE.update(block_n=block_n, num_warps=warps, num_stages=stages)
+                try:
+                    call = lambda: triton_fdc.reduced_attention(  # noqa: E731
+                        query, cache, table, starts, lens, on_device, scale, dim, True, block_size,
+                        key_splits=splits, max_seq_len=length)
+                    error = _error(call().to(dtype), expected) if width == dim else None
+                    case.time(f"{'full width' if width == dim else '50% dims'}, block {block_size}, "
+                              f"{block_n} keys/step, {warps} warps, {stages} stages, {splits} splits", call, error,
+                              kv_kept=width / dim, block_n=block_n, num_warps=warps, num_stages=stages,
+                              key_splits=splits, block_size=block_size)
+                except Exception as failure:  # noqa: BLE001  (a tile that does not compile: say so, go on)
+                    print(f"  skipped {block_n}/{warps}/{stages}: {type(failure).__name__}: {failure}"[:300])
+                finally:
+                    triton_fdc._TILE_OVERRIDE.clear()
 
 
 def _write_packed(cache, packed, slots, key, value, block_size) -> None:
@@ -393,6 +468,20 @@ CASES: dict[str, Callable[..., None]] = {
     "paged-eviction": case_paged_eviction,
     "gvote": case_gvote,
 }
+# Sweeps: named with --cases, never run by default.
+SWEEPS: dict[str, Callable[..., None]] = {"fdc-tiles": case_fdc_tiles}
+
+
+def gpu_slug(device: str) -> str:
+    """A file-name tag for the GPU: its model number ("NVIDIA H100 80GB HBM3" -> "h100"), the
+    whole name made safe where it has none, "interpreter" without a GPU."""
+    import re
+
+    if device != "cuda":
+        return "interpreter"
+    name = torch.cuda.get_device_properties(0).name
+    model = re.search(r"\b([A-Z]{1,3}\d{2,4}[A-Z]?)\b", name)
+    return (model.group(1) if model else re.sub(r"[^A-Za-z0-9]+", "_", name)).lower()
 
 
 def machine(device: str) -> dict[str, Any]:
@@ -421,9 +510,9 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     for name in args.cases:
         print(f"{name} ({shapes}):", flush=True)
-        CASES[name](shapes, dtype, device, rows)
+        {**CASES, **SWEEPS}[name](shapes, dtype, device, rows)
     _print_table(rows)
-    stem = Path(args.out)
+    stem = Path(args.out) if args.out else Path(DEFAULT_OUT_DIR) / f"kernels_{gpu_slug(device)}"
     stem.parent.mkdir(parents=True, exist_ok=True)
     document = {"benchmark": NAME, "machine": machine(device), "dtype": args.dtype, "shapes": dataclasses.asdict(shapes),
                 "results": rows}

@@ -120,10 +120,12 @@ def render(results_dir: Path, page_path: Path) -> str:
         documents.append((loaded.name, sections.load(loaded)))
         parts += ["## Load and bad input", sections.load_section(loaded, page_path.parent)]
 
-    gpu_kernels = results_dir / "gpu" / "kernels.json"
-    gpu_part = sections.gpu_section(gpu_kernels, page_path.parent) if gpu_kernels.is_file() else ""
-    if gpu_part:
-        parts += ["## GPU kernels", gpu_part]
+    # One section per GPU the kernels ran on (kernels_<gpu>.json), then the fdc tile sweeps.
+    gpu_parts = [sections.gpu_section(path, page_path.parent) for path in sorted((results_dir / "gpu").glob("kernels*.json"))]
+    gpu_parts += [sections.fdc_tiles_section(path, page_path.parent)
+                  for path in sorted((results_dir / "gpu").glob("fdc_tiles*.json"))]
+    if any(gpu_parts):
+        parts += ["## GPU kernels", *gpu_parts]
 
     parts += ["## Machine and versions", sections.machine_section(documents), kvpress_versions(documents)]
     page = "\n\n".join(part for part in parts if part) + "\n"

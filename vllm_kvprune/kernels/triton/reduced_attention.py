@@ -27,7 +27,9 @@ explicitly). ``balanced=False`` launches them in natural order (sequence, tile, 
 Decode (one query per sequence, ``T == S``) needs no task list: program ``p`` is (sequence
 ``p // H``, KV head ``p % H``), or the ``p``-th longest of them when balanced, and the query
 group alone is the program's rows, padded to ``tl.dot``'s 16 (tensor cores make the masked
-rows cheaper than the broadcast path). Otherwise the task list is built on the device with
+rows cheaper than the broadcast path). With ``key_splits = N`` a decode task's keys are split over
+N programs (grid ``[tasks, N]``, flash-decoding) whose partials a second, small launch combines
+(:func:`choose_key_splits` picks N from host-side values). Otherwise the task list is built on the device with
 torch ops and the grid is an upper bound known on the host (``min(T, S + T // BLOCK_M)`` tiles x ``H`` heads; surplus programs have no rows
 and exit after their loads), so a launch never synchronises with the GPU. The
 :class:`PackedHeads` tensors are copied to the device and their rank maxima read once per
@@ -53,7 +55,7 @@ _MIN_DOT = 16
 # [rows, dims, keys] product (registers), which sets its step between 16 and 64 keys.
 _DOT_KEYS = 64
 _MAX_PRODUCT = 8192
-# Tuning hook for the benchmark's tile sweep: {"block_n": ..., "num_warps": ...}; empty in use.
+# Tuning hook for the benchmark's tile sweep: {"block_n", "num_warps", "num_stages"}; empty in use.
 _TILE_OVERRIDE: dict[str, int] = {}
 # Fields of one task row: sequence, KV head, first query's token index, queries in the tile,
 # position of the tile's first query.
@@ -71,10 +73,15 @@ def _reduced_attention_kernel(
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, USE_DOT: tl.constexpr, TASK_FIELDS: tl.constexpr,
     block_size: tl.constexpr, KEY_RUNS: tl.constexpr, V_ALIGN: tl.constexpr, DECODE: tl.constexpr, ORDERED: tl.constexpr, DOT_PRECISION: tl.constexpr,
     seq_lens_ptr, num_heads,
+    partial_acc_ptr, partial_stats_ptr, split_keys, SPLITS: tl.constexpr,
 ):
     """Program p: task p of ``tasks`` (int32 rows of _TASK_FIELDS). A task with 0 queries reads
     no keys and stores nothing. Invariant: the rows stored are exactly the tile's queries x the
-    group, columns ``d < v_rank``; every stored row saw key 0, so its softmax sum is > 0."""
+    group, columns ``d < v_rank``; every stored row saw key 0, so its softmax sum is > 0.
+
+    ``SPLITS > 1`` (decode only): program (p, j) reads keys ``[j * split_keys, (j + 1) *
+    split_keys)`` of task p and stores its unnormalised partial (acc, running max, running sum)
+    for :func:`_combine_splits_kernel`; a split past the task's keys stores an empty partial."""
     ROWS: tl.constexpr = BLOCK_M * BLOCK_G
     if DECODE:
         # One query per sequence: task t is (sequence t // H, KV head t % H); `tasks` is only
@@ -96,6 +103,11 @@ def _reduced_attention_kernel(
         first_position = tl.load(tasks_ptr + task + 4)
     # Keys the tile's last query sees (0 for an empty task).
     num_keys = tl.where(num_queries > 0, first_position + num_queries, 0)
+    first_read = 0
+    if SPLITS > 1:
+        split = tl.program_id(1)
+        first_read = split * split_keys
+        num_keys = tl.minimum(num_keys, first_read + split_keys)
 
     k_rank = tl.load(k_ranks_ptr + head)
     # Every head's v_rank is a multiple of V_ALIGN: rows of values start aligned, so their
@@ -125,7 +137,7 @@ def _reduced_attention_kernel(
     acc = tl.zeros([ROWS, BLOCK_V], tl.float32)
 
     table_row = block_table_ptr + seq * table_stride_seq
-    for first_key in range(0, num_keys, BLOCK_N):
+    for first_key in range(first_read, num_keys, BLOCK_N):
         # BLOCK_N key positions per step, each addressed through its own cache block (any
         # block_size; a step may span several blocks).
         positions = first_key + steps
@@ -176,10 +188,58 @@ def _reduced_attention_kernel(
             acc = acc * correction[:, None] + tl.sum(probs[:, :, None] * values[None, :, :], axis=1)
         row_max = new_max
 
-    out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
-    o_ptrs = (out_ptr + (first_token + row_query.to(tl.int64))[:, None] * out_stride_t
-              + (head * group + row_member.to(tl.int64))[:, None] * out_stride_h + v_dims[None, :])
-    tl.store(o_ptrs, out, mask=row_ok[:, None] & (v_dims < v_rank)[None, :])
+    if SPLITS > 1:
+        # The partial of (task, split), rows = the group: acc [ROWS, BLOCK_V], then (max, sum).
+        part = task_id.to(tl.int64) * SPLITS + split
+        tl.store(partial_acc_ptr + (part * ROWS + rows)[:, None] * BLOCK_V + v_dims[None, :], acc)
+        tl.store(partial_stats_ptr + (part * ROWS + rows) * 2, row_max)
+        tl.store(partial_stats_ptr + (part * ROWS + rows) * 2 + 1, row_sum)
+    else:
+        out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
+        o_ptrs = (out_ptr + (first_token + row_query.to(tl.int64))[:, None] * out_stride_t
+                  + (head * group + row_member.to(tl.int64))[:, None] * out_stride_h + v_dims[None, :])
+        tl.store(o_ptrs, out, mask=row_ok[:, None] & (v_dims < v_rank)[None, :])
+
+
+@triton.jit
+def _combine_splits_kernel(
+    partial_acc_ptr, partial_stats_ptr, out_ptr, v_ranks_ptr, group, num_heads,
+    out_stride_t, out_stride_h,
+    ROWS: tl.constexpr, BLOCK_V: tl.constexpr, SPLITS: tl.constexpr,
+):
+    """Program p = decode task p (sequence p // H, KV head p % H): the softmax-weighted sum of
+    its SPLITS partials, each rescaled from its own running max to the common one; stores the
+    group's rows, columns ``d < v_rank``. Empty partials (max -inf, sum 0) weigh 0."""
+    task_id = tl.program_id(0).to(tl.int64)
+    seq = task_id // num_heads
+    head = task_id % num_heads
+    splits = tl.arange(0, SPLITS)
+    rows = tl.arange(0, ROWS)
+    v_dims = tl.arange(0, BLOCK_V)
+    stats = partial_stats_ptr + ((task_id * SPLITS + splits)[:, None] * ROWS + rows[None, :]) * 2
+    split_max = tl.load(stats)  # [SPLITS, ROWS]
+    split_sum = tl.load(stats + 1)
+    top = tl.max(split_max, axis=0)
+    safe_top = tl.where(top == float("-inf"), 0.0, top)
+    weight = tl.exp2(split_max - safe_top[None, :])  # exp2(-inf) = 0 for an empty split
+    total = tl.sum(weight * split_sum, axis=0)
+    acc = tl.load(partial_acc_ptr + ((task_id * SPLITS + splits)[:, None, None] * ROWS + rows[None, :, None]) * BLOCK_V
+                  + v_dims[None, None, :])  # [SPLITS, ROWS, BLOCK_V]
+    out = tl.sum(weight[:, :, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)[:, None]
+    v_rank = tl.load(v_ranks_ptr + head)
+    o_ptrs = out_ptr + seq * out_stride_t + (head * group + rows.to(tl.int64))[:, None] * out_stride_h + v_dims[None, :]
+    tl.store(o_ptrs, out, mask=(rows < group)[:, None] & (v_dims < v_rank)[None, :])
+
+
+def choose_key_splits(num_tasks: int, max_seq_len: int, multiprocessors: int, min_keys: int = 256) -> int:
+    """Splits of each decode task's keys (flash-decoding): a power of two, enough that the
+    ``num_tasks * splits`` programs fill every multiprocessor about twice, no split shorter than
+    ``min_keys`` (a partial costs a store and a combine), 1 when the tasks alone fill the GPU.
+    ``max_seq_len`` is the host-side bound vLLM's metadata carries, so no device sync."""
+    splits = 1
+    while (num_tasks * splits < 2 * multiprocessors and max_seq_len >= 2 * splits * min_keys):
+        splits *= 2
+    return splits
 
 
 def _tile_queries(num_tokens: int, num_seqs: int, group_block: int) -> int:
@@ -235,7 +295,8 @@ def build_tasks(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, heads: Pa
 
 def reduced_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, heads: PackedHeads, scale: float,
-                      output_width: int, balanced: bool = True, block_size: int | None = None) -> torch.Tensor:
+                      output_width: int, balanced: bool = True, block_size: int | None = None,
+                      key_splits: int = 1, max_seq_len: int | None = None) -> torch.Tensor:
     """Attention of ``query`` ``[T, Hq, QW]`` over the packed ``kv_cache`` ``[num_blocks, >=
     block_size * row_width]`` (fp32, fp16 or bf16, contiguous rows); returns ``[T, Hq,
     output_width]`` fp32 on the query's device (see the module docstring).
@@ -246,7 +307,16 @@ def reduced_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: 
     non-decreasing from 0 to ``T``, each sequence's query count is ``<= seq_lens[s]``, the block
     table covers ``seq_lens[s]`` positions with valid block ids. Shapes, dtypes and devices are
     checked (ValueError).
+
+    ``key_splits > 1`` splits each decode task's keys over that many programs (flash-decoding:
+    fills the GPU when sequences x KV heads are few and long), then combines the partials in a
+    second launch; it needs ``max_seq_len`` (host int, ``>= max(seq_lens)``, as vLLM's metadata
+    has it) and a power of two; prefill and mixed batches ignore it. See :func:`choose_key_splits`.
     """
+    if key_splits < 1 or key_splits & (key_splits - 1):
+        raise ValueError(f"key_splits must be a power of two >= 1, got {key_splits}")
+    if key_splits > 1 and (max_seq_len is None or max_seq_len <= 0):
+        raise ValueError(f"key_splits={key_splits} needs max_seq_len, the host-side bound of seq_lens")
     if query.dim() != 3 or not query.dtype.is_floating_point:
         raise ValueError(f"query must be floating [T, Hq, QW], got {query.dtype} {list(query.shape)}")
     if kv_cache.dim() != 2 or kv_cache.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -321,7 +391,16 @@ def reduced_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: 
     if query.stride(2) != 1:
         query = query.contiguous()
     table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
-    _reduced_attention_kernel[(num_programs,)](
+    splits = key_splits if decode else 1
+    if splits > 1:
+        # Whole steps per split: each split starts where a step of the unsplit loop would, so
+        # every key-loading path (KEY_RUNS) sees the alignment it assumes.
+        split_keys = -(-(-(-max_seq_len // splits)) // block_n) * block_n
+        partial_acc = torch.empty(num_programs * splits * rows * block_v, dtype=torch.float32, device=query.device)
+        partial_stats = torch.empty(num_programs * splits * rows * 2, dtype=torch.float32, device=query.device)
+    else:
+        split_keys, partial_acc, partial_stats = 0, output, output  # unused
+    _reduced_attention_kernel[(num_programs, splits)](
         query, kv_cache, table, tasks, output,
         on_device.k_ranks, on_device.v_ranks, on_device.k_offsets, on_device.v_offsets,
         group, float(scale),
@@ -331,9 +410,14 @@ def reduced_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: 
         USE_DOT=use_dot, TASK_FIELDS=_TASK_FIELDS, block_size=block_size, KEY_RUNS=_key_runs(block_size, block_n),
         V_ALIGN=on_device.v_align,
         DECODE=decode, ORDERED=decode and balanced, DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
-        seq_lens_ptr=seq_lens, num_heads=num_heads, **({"num_warps": _TILE_OVERRIDE["num_warps"]}
-                                                          if _TILE_OVERRIDE.get("num_warps") else {}),
+        seq_lens_ptr=seq_lens, num_heads=num_heads,
+        partial_acc_ptr=partial_acc, partial_stats_ptr=partial_stats, split_keys=split_keys, SPLITS=splits,
+        **{key: _TILE_OVERRIDE[key] for key in ("num_warps", "num_stages") if _TILE_OVERRIDE.get(key)},
     )
+    if splits > 1:
+        _combine_splits_kernel[(num_programs,)](
+            partial_acc, partial_stats, output, on_device.v_ranks, group, num_heads,
+            output.stride(0), output.stride(1), ROWS=rows, BLOCK_V=block_v, SPLITS=splits)
     return output
 
 
