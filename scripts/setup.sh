@@ -32,6 +32,8 @@ fi
 
 # Test-only: property-based fuzzing of the settings (tests/test_fuzz_config.py).
 "$PY" -c "import hypothesis" 2>/dev/null || "$PY" -m pip install -q hypothesis
+# The optional Ray extra (vllm-kvprune[ray]): the batch job and its tests on a local Ray cluster.
+"$PY" -c "import ray.data" 2>/dev/null || { log "installing ray[data] (the [ray] extra)"; "$PY" -m pip install -q "ray[data]==2.60.0"; }
 
 log "installing vllm-kvprune (editable) and building its C++ extension"
 "$PY" -m pip install -q --no-build-isolation --no-deps -e "$ROOT"

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from vllm_kvprune.bench import results_gpu
 from vllm_kvprune.bench import results_sections as sections
 
 REPO = Path(__file__).resolve().parents[1]
@@ -204,7 +205,7 @@ def test_fdc_section_shows_every_calibration_and_sweep_point() -> None:
 def test_gpu_section_shows_every_timed_kernel_and_its_gpu(tmp_path: Path, name: str) -> None:
     path = RESULTS / "gpu" / name
     document = json.loads(path.read_text())
-    text = sections.gpu_section(path, DOC_DIR)
+    text = results_gpu.gpu_section(path, DOC_DIR)
     assert document["machine"]["gpu"] in text
     body = tables(text)[0][2:]
     assert len(body) == len(document["results"])
@@ -216,13 +217,13 @@ def test_gpu_section_shows_every_timed_kernel_and_its_gpu(tmp_path: Path, name: 
     interpreted = copy.deepcopy(document)
     interpreted["machine"]["interpreter"] = True
     (tmp_path / "kernels.json").write_text(json.dumps(interpreted))
-    assert sections.gpu_section(tmp_path / "kernels.json", DOC_DIR) == ""
+    assert results_gpu.gpu_section(tmp_path / "kernels.json", DOC_DIR) == ""
 
 
 def test_fdc_tiles_section_shows_the_fastest_and_slowest_tile_of_each_width() -> None:
     path = RESULTS / "gpu" / "fdc_tiles_h200.json"
     document = json.loads(path.read_text())
-    text = sections.fdc_tiles_section(path, DOC_DIR)
+    text = results_gpu.fdc_tiles_section(path, DOC_DIR)
     assert document["machine"]["gpu"] in text
     body = tables(text)[0][2:]
     for case in {row["case"] for row in document["results"] if row["case"].startswith("fdc tiles")}:
@@ -270,3 +271,14 @@ def test_fdc_accuracy_section_shows_every_setting_and_the_99_percent_point() -> 
     assert body_rows(section) == [[str(cell) for cell in row] for row in document["table"]["rows"]]
     assert {row[0] for row in body_rows(section)} >= {"none"}
     assert f"mean hit rate (needle, key-value retrieval, arithmetic): {document['summary']['at_99_percent']}" in section
+
+
+def test_ray_batch_section_reads_every_run() -> None:
+    path = RESULTS / "ray_batch.json"
+    document = json.loads(path.read_text())
+    body = tables(sections.ray_batch_section(path, DOC_DIR))[0][2:]
+    assert [cells[0] for cells in body] == [str(run["actors"]) for run in document["runs"]]
+    for cells, run in zip(body, document["runs"]):
+        assert cells[2] == f"{run['generated_tokens_per_busy_second']:.1f}"
+        assert cells[3] == f"{run['speedup_busy']:.2f}x"
+        assert cells[6] == f"{run['kv_blocks_held_mean']:.1f}"

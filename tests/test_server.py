@@ -69,6 +69,24 @@ def test_per_request_budget_changes_the_output(server):
     assert small.json()["choices"][0]["text"] != large.json()["choices"][0]["text"]
 
 
+def test_kv_report_comes_back_with_the_answer(server):
+    """`kv_report` asks for the request's KV statistics in its response; a wrong value is a 400."""
+    base, model = server
+    body = {"model": model, "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    answer = requests.post(f"{base}/v1/completions", json={**body, "vllm_xargs": {"kv_report": True}}, timeout=120)
+    assert answer.status_code == 200, answer.text
+    report = answer.json()["kv_transfer_params"]["kvprune"]
+    prompt_tokens = answer.json()["usage"]["prompt_tokens"]
+    assert report["policy"] == "streaming"
+    assert report["blocks_without_policy"] == -(-(prompt_tokens + 199) // 32)
+    assert report["blocks_held"] <= 3 < report["blocks_without_policy"]  # budget 64: a cap of 3 blocks
+    assert report["kept_tokens_max"] <= 65
+    plain = requests.post(f"{base}/v1/completions", json=body, timeout=120)
+    assert not (plain.json().get("kv_transfer_params") or {}).get("kvprune")
+    bad = requests.post(f"{base}/v1/completions", json={**body, "vllm_xargs": {"kv_report": "yes"}}, timeout=120)
+    assert bad.status_code == 400 and "kv_report" in bad.json()["error"]["message"]
+
+
 # ---- metrics on vLLM's own /metrics (vllm_kvprune.metrics) -----------------------------------
 def _scrape(base: str) -> dict:
     from prometheus_client.parser import text_string_to_metric_families

@@ -15,9 +15,9 @@ from vllm_kvprune import vllm_hooks
 from vllm_kvprune.vllm_hooks import HOOKS, Hook
 
 PACKAGE = Path(vllm_hooks.__file__).parent
-# Modules of the plugin that run inside vLLM; the benchmarks, references and asset builders use
-# vLLM's public API (LLM, SamplingParams) or none.
-OUTSIDE_THE_PLUGIN = ("bench", "reference", "assets.py", "model_zoo.py", "cli.py", "vllm_hooks.py")
+# Modules of the plugin that run inside vLLM; the benchmarks, references, asset builders and the
+# Ray batch job use vLLM's public API (LLM, SamplingParams) or none.
+OUTSIDE_THE_PLUGIN = ("bench", "reference", "assets.py", "model_zoo.py", "cli.py", "batch.py", "vllm_hooks.py")
 PUBLIC_VLLM = ("vllm.exceptions", "vllm.platforms")
 
 

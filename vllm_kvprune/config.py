@@ -46,6 +46,9 @@ FDC_REFUSALS = {
 # Per-request override keys (SamplingParams.extra_args / OpenAI vllm_xargs) -> config field.
 REQUEST_KEYS = {"kv_budget": "budget", "kv_sinks": "sinks", "kv_window": "window", "kv_recent": "recent",
                 "kv_gvote_p": "gvote_p", "kv_gvote_samples": "gvote_samples"}
+# A request that sets it gets its KV statistics back when it finishes, in its output's
+# `kv_transfer_params["kvprune"]` (`KVPruneScheduler.kv_report`); not a policy setting.
+REPORT_KEY = "kv_report"
 
 
 class KVConfigError(ValueError):
@@ -345,8 +348,12 @@ def request_overrides(extra_args: Mapping[str, Any] | None) -> dict[str, Any]:
     for key, value in extra_args.items():
         if key in REQUEST_KEYS:
             overrides[REQUEST_KEYS[key]] = value
+        elif key == REPORT_KEY:
+            # vLLM's HTTP front end turns a JSON true in vllm_xargs into 1.
+            if not (isinstance(value, (bool, int)) and value in (0, 1)):
+                raise KVConfigError(key, f"must be true or false, got {value!r}")
         elif key.startswith("kv_") and key not in ("kv_transfer_params", "kv_cache_report_mode"):
-            raise KVConfigError(key, f"unknown per-request setting; allowed: {', '.join(REQUEST_KEYS)}")
+            raise KVConfigError(key, f"unknown per-request setting; allowed: {', '.join([*REQUEST_KEYS, REPORT_KEY])}")
     return overrides
 
 

@@ -661,6 +661,32 @@ def reshape_and_cache(key: Any, value: Any, key_cache: Any, value_cache: Any, sl
     resolve("vllm._custom_ops:cpu_attn_reshape_and_cache")(key, value, key_cache, value_cache, slots, isa)
 
 
+def tp_rank_and_size() -> tuple[int, int]:
+    """This process's tensor-parallel rank and the group's size ((0, 1) outside an engine)."""
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, 1
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+
+
+def tp_all_gather_object(local: Any) -> list[Any]:
+    """Every tensor-parallel rank's `local` (picklable), in rank order, over the group's CPU
+    (gloo) channel; `[local]` outside an engine or at one rank."""
+    import torch.distributed
+
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return [local]
+    group = parallel_state.get_tp_group()
+    if group.world_size == 1:
+        return [local]
+    gathered: list[Any] = [None] * group.world_size
+    torch.distributed.all_gather_object(gathered, local, group=group.cpu_group)
+    return gathered
+
+
 def tp_all_reduce(local: Any) -> Any:
     """Sum over tensor-parallel ranks (identity outside an engine)."""
     from vllm.distributed import parallel_state

@@ -17,6 +17,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "fdc_accuracy",
     "metrics_overhead",
     "load",
+    "ray_batch",
     "gpu_kernels",
     "accuracy",
     "results_page",

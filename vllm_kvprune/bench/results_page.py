@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vllm_kvprune.bench import results_gpu
 from vllm_kvprune.bench import results_sections as sections
 from vllm_kvprune.bench.accuracy import TASK_NAMES as ACCURACY_TASKS
 from vllm_kvprune.bench.accuracy import TASK_TYPES, memory, report
@@ -115,14 +116,20 @@ def render(results_dir: Path, page_path: Path) -> str:
             documents.append((overhead.name, sections.load(overhead)))
             parts.append(sections.metrics_overhead_section(overhead, page_path.parent))
 
+    ray_batch = results_dir / "ray_batch.json"
+    if ray_batch.is_file():
+        documents.append((ray_batch.name, sections.load(ray_batch)))
+        parts += ["## Scaling out: Ray batch job", sections.ray_batch_section(ray_batch, page_path.parent)]
+
     loaded = results_dir / "load.json"
     if loaded.is_file():
         documents.append((loaded.name, sections.load(loaded)))
         parts += ["## Load and bad input", sections.load_section(loaded, page_path.parent)]
 
     # One section per GPU the kernels ran on (kernels_<gpu>.json), then the fdc tile sweeps.
-    gpu_parts = [sections.gpu_section(path, page_path.parent) for path in sorted((results_dir / "gpu").glob("kernels*.json"))]
-    gpu_parts += [sections.fdc_tiles_section(path, page_path.parent)
+    gpu_parts = [results_gpu.gpu_section(path, page_path.parent)
+                 for path in sorted((results_dir / "gpu").glob("kernels*.json"))]
+    gpu_parts += [results_gpu.fdc_tiles_section(path, page_path.parent)
                   for path in sorted((results_dir / "gpu").glob("fdc_tiles*.json"))]
     if any(gpu_parts):
         parts += ["## GPU kernels", *gpu_parts]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from vllm_kvprune import metrics, vllm_hooks
-from vllm_kvprune.config import KVPolicyConfig, policy_from_vllm_config
+from vllm_kvprune.config import REPORT_KEY, KVPolicyConfig, policy_from_vllm_config
 from vllm_kvprune.engine import checks
 from vllm_kvprune.engine.manager import KVPruneManager
 from vllm_kvprune.vllm_hooks import Scheduler
@@ -32,6 +32,11 @@ def chunk_tokens(policy: KVPolicyConfig, num_prompt_tokens: int, num_computed: i
         chunk = policy.prefill_chunk
         end = min(end, (num_computed // chunk + 1) * chunk)
     return end - num_computed
+
+
+def _wants_report(request) -> bool:
+    extra_args = getattr(request.sampling_params, "extra_args", None) if request.sampling_params else None
+    return bool(extra_args) and extra_args.get(REPORT_KEY) in (True, 1)
 
 
 class KVPruneScheduler(Scheduler):
@@ -62,6 +67,7 @@ class KVPruneScheduler(Scheduler):
         # Metrics (vllm_kvprune.metrics): counted when vLLM logs stats and a policy is on.
         folder = metrics.metrics_dir()
         self.kvprune_stats = None
+        self.last_kept: dict[str, tuple[float, int]] = {}  # request -> (mean, max) kept tokens
         if self.log_stats and folder and self.kv_policy.active:
             from vllm_kvprune.metrics.engine import EngineStats
 
@@ -135,6 +141,10 @@ class KVPruneScheduler(Scheduler):
             if request_id in self.requests:
                 for manager in self.kvprune_managers:
                     manager.set_footprint(request_id, num_blocks)
+        # The tokens each request keeps, as last reported, for its `kv_report` when it ends.
+        for request_id, kept in (vllm_hooks.step_report_of(model_runner_output).get("kept") or {}).items():
+            if request_id in self.requests:
+                self.last_kept[request_id] = kept
         if self.kvprune_stats is not None:  # before vLLM frees what finished in this step
             self.kvprune_stats.step(vllm_hooks.step_report_of(model_runner_output),
                                     scheduler_output.num_scheduled_tokens, self.request_policies.get,
@@ -170,19 +180,40 @@ class KVPruneScheduler(Scheduler):
 
     def _free_request(self, request, *args, **kwargs):
         policy = self.request_policies.get(request.request_id)
+        report = self.kv_report(request) if _wants_report(request) else None
         if self.kvprune_stats is not None and policy is not None and policy.active and request.num_computed_tokens:
             self.kvprune_stats.finished(request.request_id, policy.name, self._policy_blocks(request.request_id),
                                         self._unpruned_blocks(request))
         result = super()._free_request(request, *args, **kwargs)
+        self.last_kept.pop(request.request_id, None)
+        if report is not None and isinstance(result, tuple) and len(result) == 2:
+            # Back to the caller in the request's output (`RequestOutput.kv_transfer_params`).
+            kv_params, other = result
+            result = ({**(kv_params or {}), "kvprune": report}, other)
         self.request_policies.pop(request.request_id, None)
         if self._checking and not kwargs.get("delay_free_blocks"):
             checks.check_released(self, request.request_id)
         return result
 
+    def kv_report(self, request) -> dict:
+        """A finished request's KV statistics (asked for with the `kv_report` extra arg): its
+        policy, the blocks it held at the end in the policy's KV-cache groups against those it
+        would hold without the policy, and the tokens it kept (mean and max over layers and KV
+        heads, as the worker last reported them; absent with VLLM_KVPRUNE_METRICS=0)."""
+        request_id = request.request_id
+        policy = self.request_policies.get(request_id)
+        report = {"policy": policy.name if policy is not None else self.kv_policy.name,
+                  "blocks_held": self._policy_blocks(request_id), "blocks_without_policy": self._unpruned_blocks(request)}
+        kept = self.last_kept.get(request_id)
+        if kept is not None:
+            report["kept_tokens_mean"], report["kept_tokens_max"] = kept
+        return report
+
     def _preempt_request(self, request, *args, **kwargs):
         policy = self.request_policies.get(request.request_id)
         if self.kvprune_stats is not None and policy is not None and policy.active:
             self.kvprune_stats.preempted(request.request_id, policy.name)
+        self.last_kept.pop(request.request_id, None)  # it re-prefills from nothing
         result = super()._preempt_request(request, *args, **kwargs)
         if self._checking:
             checks.check_released(self, request.request_id)

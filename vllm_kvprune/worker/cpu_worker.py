@@ -16,3 +16,10 @@ class KVPruneCPUWorker(CPUWorker):
         # CPUWorker builds its runner by name; rebuild it as ours (construction is cheap,
         # nothing is loaded until load_model).
         self.model_runner = KVPruneCPUModelRunner(self.vllm_config, torch.device("cpu"))
+
+    def kvprune_ended_choices(self) -> dict:
+        """`LLM.collective_rpc("kvprune_ended_choices")` (debug mode): this rank's KV heads and
+        what each ended request kept (`runtime.ended_choices`)."""
+        from vllm_kvprune.worker import runtime
+
+        return runtime.ended_choices()

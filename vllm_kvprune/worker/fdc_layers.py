@@ -9,6 +9,9 @@ The cache stores, per token, every head's `k_h` key dims and `k_v,h` value dims 
 has one head size for every layer, so every layer's blocks are as wide as the widest layer's
 row (`padded_width`, rounded up to a multiple of `2 * H` so it is a head size): the pool's
 memory follows the widest layer, the kernel reads only each layer's own row.
+
+Under tensor parallelism each rank narrows the KV heads it holds with their own rotations, and
+its rows are as wide as the widest rank's (`worker/tensor_parallel.py`): one page size for vLLM.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 
 from vllm_kvprune.fdc import calibration as fdc
 from vllm_kvprune.kernels.reduced_attention import PackedHeads, reduced_attention
+from vllm_kvprune.worker.tensor_parallel import kv_head_range
 
 
 @dataclass(frozen=True)
@@ -34,23 +38,30 @@ class FdcLayer:
 class FdcLayers:
     """Every layer's FDC, from a calibration file checked against the served model."""
 
-    def __init__(self, path: str, model_dir: str | None) -> None:
+    def __init__(self, path: str, model_dir: str | None, rank: int = 0, world_size: int = 1) -> None:
         calibration = fdc.load(path, model_dir)
         self.calibration = calibration
-        self.num_kv_heads, self.head_dim = calibration.num_kv_heads, calibration.head_dim
-        self.layers = [self._layer(calibration, index) for index in range(calibration.num_layers)]
-        widest = max(layer.heads.row_width for layer in self.layers)
+        self.head_dim = calibration.head_dim
+        # This rank's global KV heads (all of them without tensor parallelism).
+        self.kv_heads = kv_head_range(calibration.num_kv_heads, rank, world_size)
+        self.num_kv_heads = len(self.kv_heads)
+        self.layers = [self._layer(calibration, index, self.kv_heads) for index in range(calibration.num_layers)]
+        widest = max(PackedHeads.from_ranks(calibration.qk_rank[index][list(heads)],
+                                            calibration.v_rank[index][list(heads)]).row_width
+                     for index in range(calibration.num_layers)
+                     for heads in {kv_head_range(calibration.num_kv_heads, other, world_size) for other in range(world_size)})
         granule = 2 * self.num_kv_heads
         self.padded_width = math.ceil(widest / granule) * granule
         self._query_rotations: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @staticmethod
-    def _layer(calibration: fdc.FdcCalibration, index: int) -> FdcLayer:
-        k_ranks, v_ranks = calibration.qk_rank[index], calibration.v_rank[index]
+    def _layer(calibration: fdc.FdcCalibration, index: int, kv_heads: range) -> FdcLayer:
+        heads = list(kv_heads)
+        k_ranks, v_ranks = calibration.qk_rank[index][heads], calibration.v_rank[index][heads]
         dims = torch.arange(calibration.head_dim)
-        qk = calibration.qk_rotation[index].float()[:, :, : int(k_ranks.max())]
+        qk = calibration.qk_rotation[index][heads].float()[:, :, : int(k_ranks.max())]
         qk = qk * (dims[: qk.shape[-1]] < k_ranks[:, None]).float()[:, None, :]
-        v = calibration.v_rotation[index].float()[:, :, : int(v_ranks.max())]
+        v = calibration.v_rotation[index][heads].float()[:, :, : int(v_ranks.max())]
         v = v * (dims[: v.shape[-1]] < v_ranks[:, None]).float()[:, None, :]
         return FdcLayer(PackedHeads.from_ranks(k_ranks, v_ranks), qk.contiguous(), v.contiguous())
 

@@ -8,7 +8,7 @@ from vllm_kvprune import metrics, vllm_hooks
 from vllm_kvprune.config import policy_from_vllm_config
 from vllm_kvprune.engine.spec import FdcSpec, KVPruneSpec
 from vllm_kvprune.vllm_hooks import CPUModelRunner, SlidingWindowSpec
-from vllm_kvprune.worker import runtime
+from vllm_kvprune.worker import runtime, tensor_parallel
 from vllm_kvprune.worker.features import LayerFeatures, UnsupportedModelError, refusal
 from vllm_kvprune.worker.positions import sink_rotation
 from vllm_kvprune.worker.state import PagedLayers, StepRows, WorkerKVState
@@ -42,14 +42,19 @@ class KVPruneCPUModelRunner(CPUModelRunner):
         from vllm_kvprune.worker.fdc_layers import FdcLayers
 
         model_dir = self.model_config.model
-        fdc = FdcLayers(self.kv_state.engine_config.fdc, model_dir if Path(model_dir).is_dir() else None)
+        rank, world_size = vllm_hooks.tp_rank_and_size()
+        fdc = FdcLayers(self.kv_state.engine_config.fdc, model_dir if Path(model_dir).is_dir() else None,
+                        rank, world_size)
         layers = vllm_hooks.attention_layers(self.vllm_config)
-        if fdc.calibration.num_layers != len(layers) or any(
+        total_kv_heads = self.model_config.get_total_num_kv_heads()
+        if fdc.calibration.num_layers != len(layers) or fdc.calibration.num_kv_heads != total_kv_heads or any(
                 layer.impl.num_kv_heads != fdc.num_kv_heads or layer.impl.head_size != fdc.head_dim
                 for layer in layers.values()):
+            split = f" ({fdc.num_kv_heads} per tensor-parallel rank of {world_size})" if world_size > 1 else ""
             raise UnsupportedModelError(
-                f"fdc: the calibration is for {fdc.calibration.num_layers} layers of {fdc.num_kv_heads} KV heads "
-                f"of size {fdc.head_dim}; the model has {len(layers)} attention layers of another shape")
+                f"fdc: the calibration is for {fdc.calibration.num_layers} layers of {fdc.calibration.num_kv_heads} "
+                f"KV heads{split} of size {fdc.head_dim}; the model has {len(layers)} attention layers of "
+                f"{total_kv_heads} KV heads of size {next(iter(layers.values())).impl.head_size}")
         self.kv_state.fdc = fdc
         logger.info("kvprune: fdc narrows every KV head (rate %s): a token takes %.1f%% of its full cache "
                     "(packed widths, every layer as wide as the widest)",
@@ -148,7 +153,8 @@ class KVPruneCPUModelRunner(CPUModelRunner):
     def sample_tokens(self, *args, **kwargs):
         output = super().sample_tokens(*args, **kwargs)
         if self.kv_state.engine_config.active and hasattr(output, "req_ids"):
-            output = vllm_hooks.attach_step_report(output, self.kv_state.step_report(metrics.enabled()))
+            report = tensor_parallel.merged_report(self.kv_state.step_report(metrics.enabled()))
+            output = vllm_hooks.attach_step_report(output, report)
         return output
 
     def _update_states(self, scheduler_output):

@@ -18,3 +18,15 @@ def install(state: WorkerKVState) -> None:
 
 def worker_state() -> WorkerKVState | None:
     return _WORKER_STATE
+
+
+def ended_choices() -> dict:
+    """Debug mode (`VLLM_KVPRUNE_CHECK=1`), through `LLM.collective_rpc("kvprune_ended_choices")`:
+    this process's tensor-parallel rank and what each ended request kept
+    (`RequestKVState.kept_choices`)."""
+    from vllm_kvprune import vllm_hooks
+
+    state = worker_state()
+    rank, world_size = vllm_hooks.tp_rank_and_size()
+    return {"rank": rank, "world_size": world_size,
+            "choices": dict(state.ended_choices) if state is not None else {}}

@@ -64,6 +64,22 @@ class RequestKVState:
                 return held.kept_tokens()
         return self.slots.kept_tokens()
 
+    def kept_choices(self) -> tuple[str, list]:
+        """Which positions the request keeps, sorted, as (map kind, positions): "slots" one
+        list for every layer and head, "blocks" one per layer, "heads"/"pages" one per layer
+        and (this rank's) KV head. The debug mode records it when a request ends (tests
+        compare tensor-parallel ranks with one process)."""
+        if self.pages is not None and self.pages.lengths is not None:
+            return "pages", [[sorted(self.pages.kept_positions(layer, head).tolist())
+                              for head in range(self.pages.num_heads)] for layer in range(self.pages.num_layers)]
+        if self.pages is not None:
+            return "slots", list(range(self.pages.num_uniform))
+        if self.heads is not None:
+            return "heads", np.sort(self.heads.logical, axis=2).tolist()
+        if self.blocks is not None:
+            return "blocks", [sorted(row[row >= 0].tolist()) for row in self.blocks.logical]
+        return "slots", sorted(self.slots.logical.tolist())
+
 
 class LayerScores:
     """Per-slot token scores of every layer, `[layers, num_blocks * block_size]`, indexed by
@@ -179,6 +195,8 @@ class WorkerKVState:
         self._to_check: tuple[list, int] | None = None
         # > 0 while the runner runs a profiling or warm-up batch (no requests: not planned).
         self.dummy_runs = 0
+        # VLLM_KVPRUNE_CHECK=1: request id -> `RequestKVState.kept_choices()` when it ended.
+        self.ended_choices: dict[str, tuple[str, list]] = {}
         # FDC's rotations and packed widths (`fdc` policy), loaded with the model.
         self.fdc = None
         # Layer name -> rotate(keys, shifts) with that layer's own RoPE (`positions: cache`).
@@ -197,7 +215,12 @@ class WorkerKVState:
             self.scores = PagedLayers(layer_names, block_size, local_kv_heads or total_kv_heads)
 
     def drop(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
+        state = self.requests.pop(request_id, None)
+        if state is not None and checks.enabled():
+            # Debug mode: what the request kept when it ended (the last few hundred requests).
+            self.ended_choices[request_id] = state.kept_choices()
+            while len(self.ended_choices) > 512:
+                self.ended_choices.pop(next(iter(self.ended_choices)))
 
     def held_bytes(self) -> int:
         """Bytes of per-request state (slot maps, sink keys): it follows each request's cap,

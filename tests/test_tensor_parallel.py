@@ -1,0 +1,142 @@
+"""Real tensor parallelism: vLLM's multiprocessing executor with two ranks on this CPU (one core
+each, `VLLM_CPU_OMP_THREADS_BIND="0|1"`), the tiny model (2 KV heads: one per rank), every
+policy against the same engine at one rank:
+
+- greedy fp32 tokens equal;
+- the choices each rank made, recorded by the debug mode when a request ends
+  (`RequestKVState.kept_choices`, read back with `collective_rpc`), equal to one process's
+  for the heads the rank holds: `streaming` (positions) and `paged_eviction` (block scores
+  added over the ranks) the same positions on both ranks, `h2o` and `gvote` each KV head its
+  own (decided on the rank that holds it), `fdc` every token on both (its rotations cut to
+  each rank's heads).
+
+`worker/tensor_parallel.py` says what the ranks agree on; its report merge is tested here
+too, on the reports two ranks would send.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import engine
+
+from vllm_kvprune import vllm_hooks
+from vllm_kvprune.worker import tensor_parallel
+
+pytestmark = pytest.mark.slow
+
+# A long prompt (evicted down to the budget while generating) and a short one (never full).
+PROMPTS = [list(range(5, 205)), list(range(300, 340))]
+NEW_TOKENS = 60
+POLICIES = {
+    "streaming": {"name": "streaming", "budget": 96, "sinks": 4},
+    "h2o": {"name": "h2o", "budget": 96, "sinks": 4},
+    "paged_eviction": {"name": "paged_eviction", "budget": 96},
+    "gvote": {"name": "gvote", "gvote_p": 0.2, "gvote_samples": 2},  # a narrow vote, so it evicts here
+    "fdc": {"name": "fdc"},
+}
+# The policies whose every rank must choose the same positions (not per head).
+SHARED_CHOICES = {"slots", "blocks"}
+
+
+@pytest.fixture(scope="module")
+def fdc_file(tiny_model, tmp_path_factory) -> str:
+    from vllm_kvprune.fdc import calibration as fdc
+
+    path = tmp_path_factory.mktemp("fdc") / "tiny.safetensors"
+    fdc.calibrate(tiny_model, tokens=256, seq_len=128, seed=0, rate=0.1).save(path)
+    return str(path)
+
+
+def _run(model: str, policy: dict, tensor_parallel_size: int, monkeypatch) -> tuple[list, list[dict]]:
+    """(tokens per prompt, each rank's `ended_choices`) of one engine."""
+    from vllm import SamplingParams
+
+    if tensor_parallel_size > 1:
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tensor_parallel_size)))
+    with engine(model, policy, kv_blocks=256, block_size=32, max_model_len=1024,
+                tensor_parallel_size=tensor_parallel_size) as llm:
+        outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in PROMPTS],
+                               SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True,
+                                              extra_args={"kv_report": True}), use_tqdm=False)
+        # The worker hears a request ended at the next step: one more request makes that step.
+        llm.generate([{"prompt_token_ids": [11, 12]}], SamplingParams(max_tokens=1), use_tqdm=False)
+        ranks = llm.collective_rpc("kvprune_ended_choices")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    # The request's KV statistics come back in its output (asked for with kv_report).
+    report = outputs[0].kv_transfer_params["kvprune"]
+    assert report["policy"] == policy["name"]
+    if policy["name"] != "fdc":  # fdc evicts nothing: vLLM's own manager holds its blocks
+        assert report["blocks_without_policy"] == -(-(len(PROMPTS[0]) + NEW_TOKENS - 1) // 32)
+        assert report["blocks_held"] < report["blocks_without_policy"], report
+        assert report["kept_tokens_max"] < len(PROMPTS[0]) + NEW_TOKENS, report
+    return [list(output.outputs[0].token_ids) for output in outputs], sorted(ranks, key=lambda rank: rank["rank"])
+
+
+def _by_prompt(choices: dict) -> dict[int, tuple[str, list]]:
+    """Ended requests by prompt index (offline request ids are "<index>-<suffix>")."""
+    return {int(request_id.split("-")[0]): choice for request_id, choice in choices.items()}
+
+
+# paged_eviction (scores added over the ranks), gvote (per head, footprints merged) and fdc
+# (rotations cut per rank) each check their own mechanism; streaming (positions) and h2o (per
+# head, like gvote) repeat one (--heavy).
+@pytest.mark.parametrize("name", [name if name in ("paged_eviction", "gvote", "fdc") else
+                                  pytest.param(name, marks=pytest.mark.heavy) for name in POLICIES])
+def test_two_ranks_match_one_process(name: str, tiny_model, fdc_file, monkeypatch) -> None:
+    policy = dict(POLICIES[name], **({"fdc": fdc_file} if name == "fdc" else {}))
+    one_tokens, (one,) = _run(tiny_model, policy, 1, monkeypatch)
+    two_tokens, ranks = _run(tiny_model, policy, 2, monkeypatch)
+    assert [rank["world_size"] for rank in ranks] == [2, 2]
+    assert two_tokens == one_tokens
+    if name == "fdc":
+        assert not one["choices"], "fdc keeps every token: no map to record"
+        return
+    reference = _by_prompt(one["choices"])
+    assert {0, 1} <= set(reference)
+    per_rank = [_by_prompt(rank["choices"]) for rank in ranks]
+    total = [len(prompt) + NEW_TOKENS - 1 for prompt in PROMPTS]  # positions cached at the end
+    for index, (kind, kept) in ((index, reference[index]) for index in (0, 1)):
+        for rank, choices in enumerate(per_rank):
+            rank_kind, rank_kept = choices[index]
+            assert rank_kind == kind
+            if kind in SHARED_CHOICES:
+                assert rank_kept == kept, (name, index, rank)
+            else:  # per layer, the rank's own KV heads: one each here (2 heads over 2 ranks)
+                assert [layer[rank:rank + 1] for layer in kept] == rank_kept, (name, index, rank)
+    assert any(len(head) < total[0] for head in _per_head(reference[0])), \
+        f"{name} evicted nothing from the long prompt: the test would not see a wrong choice"
+
+
+def _per_head(choice: tuple[str, list]) -> list[list[int]]:
+    kind, kept = choice
+    if kind == "slots":
+        return [kept]
+    if kind == "blocks":
+        return kept
+    return [head for layer in kept for head in layer]
+
+
+def test_report_merge_takes_the_widest_rank_and_every_failure(monkeypatch) -> None:
+    """The scheduler reads the first rank's output only: a head-page request gets the blocks its
+    widest rank needs, a request failed on rank 1 fails, kept tokens average over the ranks."""
+    first = {"failed": {}, "kept": {"a": (10.0, 12), "b": (4.0, 4)}, "seconds": {"plan": 0.1, "score": 0.2, "move": 0.0},
+             "footprints": {"a": 3, "b": 1}}
+    second = {"failed": {"b": "score: boom"}, "kept": {"a": (20.0, 30)}, "seconds": {"plan": 0.3, "score": 0.1, "move": 0.0},
+              "footprints": {"a": 5}}
+    monkeypatch.setattr(vllm_hooks, "tp_all_gather_object", lambda report: [first, second])
+    merged = tensor_parallel.merged_report(first)
+    assert merged["footprints"] == {"a": 5, "b": 1}
+    assert merged["failed"] == {"b": "score: boom"}
+    assert merged["kept"] == {"a": (15.0, 30)}
+    assert merged["seconds"] == {"plan": 0.3, "score": 0.2, "move": 0.0}
+    monkeypatch.setattr(vllm_hooks, "tp_all_gather_object", lambda report: [report])
+    assert tensor_parallel.merged_report(first) is first
+
+
+@pytest.mark.parametrize(("heads", "world", "expected"), [
+    (8, 2, [range(0, 4), range(4, 8)]), (2, 2, [range(0, 1), range(1, 2)]), (2, 4, [range(0, 1), range(0, 1),
+                                                                                      range(1, 2), range(1, 2)])])
+def test_kv_head_range_is_vllms_split(heads: int, world: int, expected: list[range]) -> None:
+    assert [tensor_parallel.kv_head_range(heads, rank, world) for rank in range(world)] == expected
+    with pytest.raises(ValueError, match="split"):
+        tensor_parallel.kv_head_range(6, 0, 4)

@@ -1,0 +1,81 @@
+"""Results-page sections of the GPU runs (`results/gpu/`): the kernels against torch on each GPU
+they ran on, and fdc's decode tile sweep."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from vllm_kvprune.bench.results_sections import MISSING, load, markdown_table, plot_link, shown_command
+
+# ---- GPU kernels -----------------------------------------------------------------------------
+GPU_COMMAND = "PYTHONPATH=. python3 -m vllm_kvprune.bench.gpu_kernels"
+
+
+def gpu_section(path: Path, doc_dir: Path) -> str:
+    """The Triton kernels against plain torch on the GPU they ran on, and the kernel tests there."""
+    document = load(path)
+    machine = document.get("machine", {})
+    if machine.get("interpreter"):
+        return ""  # an interpreter run checks the script, it times nothing
+    shapes = document.get("shapes", {})
+    setup = (f"{machine.get('gpu', MISSING)} ({machine.get('multiprocessors', MISSING)} SMs), torch "
+             f"{machine.get('torch', MISSING)}, Triton {machine.get('triton', MISSING)}, {document.get('dtype')}; "
+             f"batch {shapes.get('batch')}, {shapes.get('kv_heads')} KV heads x {shapes.get('group')} query heads each, "
+             f"head size {shapes.get('head_dim')}, {shapes.get('seq_len')} tokens per request, block size "
+             f"{shapes.get('block_size')}. Median of Triton's `do_bench` (CUDA events), host overhead included; "
+             "each candidate checked against the torch computation of its case first (max |error|).")
+    rows = [[row["case"], row["candidate"], f"{row['ms']:.4f}",
+             MISSING if row.get("speedup_vs_torch") is None else f"{row['speedup_vs_torch']:.2f}x",
+             "" if row.get("max_abs_error") is None else f"{row['max_abs_error']:.1e}"]
+            for row in document["results"]]
+    table = markdown_table(["case", "candidate", "ms", "vs torch", "max abs error"], rows)
+    notes = []
+    # kernels_h200.json's tests are pytest_h200.txt (kernels.json's: pytest.txt).
+    tests = Path(path).with_name("pytest" + Path(path).stem[len("kernels"):] + ".txt")
+    if tests.is_file():
+        passed = re.search(r"(\d+) passed", tests.read_text())
+        if passed:
+            notes.append(f"Kernel tests on that GPU (`pytest -m triton --noconftest`, every kernel against its "
+                         f"torch reference on CUDA tensors): {passed.group(1)} passed (`{tests.name}`).")
+    command = shown_command(machine.get("command")) if machine.get("command") else GPU_COMMAND
+    parts = [f"### Triton kernels on {machine.get('gpu', 'a GPU')} (`{Path(path).name}`)",
+             f"Command (on the GPU machine, which has PyTorch and Triton but not vLLM): `{command}`",
+             setup, table, "\n".join(f"- {note}" for note in notes)]
+    image = plot_link(path, doc_dir)
+    if image:
+        parts.append(image)
+    return "\n\n".join(part for part in parts if part)
+
+
+def fdc_tiles_section(path: Path, doc_dir: Path) -> str:
+    """The fdc decode kernel's tile sweep (``--cases fdc fdc-tiles``): per shape and width, SDPA
+    at full width, the fastest and slowest tile, and how many were tried; the fdc case's
+    key-split rows from the same run beside them."""
+    document = load(path)
+    machine = document.get("machine", {})
+    if machine.get("interpreter"):
+        return ""
+    results = document["results"]
+    rows = []
+    for case in dict.fromkeys(row["case"] for row in results):
+        in_case = [row for row in results if row["case"] == case]
+        baseline = next((row for row in in_case if row["candidate"].startswith("torch SDPA")), None)
+        if not case.startswith("fdc tiles"):
+            rows += [[case, row["candidate"], f"{row['ms']:.4f}",
+                      MISSING if row.get("speedup_vs_torch") is None else f"{row['speedup_vs_torch']:.2f}x"]
+                     for row in in_case]
+            continue
+        if baseline:
+            rows.append([case, baseline["candidate"], f"{baseline['ms']:.4f}", "1.00x"])
+        for width in dict.fromkeys(row["candidate"].split(",")[0] for row in in_case if row is not baseline):
+            tried = sorted((row for row in in_case if row["candidate"].split(",")[0] == width), key=lambda r: r["ms"])
+            for which, row in (("fastest", tried[0]), ("slowest", tried[-1])):
+                rows.append([case, f"{which} of {len(tried)}: {row['candidate']}", f"{row['ms']:.4f}",
+                             MISSING if row.get("speedup_vs_torch") is None else f"{row['speedup_vs_torch']:.2f}x"])
+    command = shown_command(machine.get("command")) if machine.get("command") else GPU_COMMAND
+    parts = [f"### fdc decode: key splits and tiles on {machine.get('gpu', 'a GPU')} (`{Path(path).name}`)",
+             f"Command (on the GPU machine): `{command}`. {document.get('dtype')}; \"vs torch\" is torch SDPA at "
+             "full width on the same inputs (it reads every dim of every key).",
+             markdown_table(["case", "candidate", "ms", "vs torch"], rows)]
+    return "\n\n".join(parts)
