@@ -244,13 +244,53 @@ def _sets_attribute(cls: Any, name: str) -> bool:
     if hasattr(cls, name) or name in getattr(cls, "__dataclass_fields__", {}):
         return True
     for klass in getattr(cls, "__mro__", ()):
-        try:
-            source = inspect.getsource(klass)
-        except (OSError, TypeError):
+        source = _class_source(klass)
+        if source is None:
             continue
         if f"self.{name} =" in source or f"self.{name}:" in source or f"\n    {name}:" in source:
             return True
     return False
+
+
+def _class_source(klass: type) -> str | None:
+    """The source of `klass`'s own class body (what `inspect.getsource` gives), from its file
+    parsed once per process: `inspect.getsource` re-parses the whole file for every class,
+    which made this check cost seconds in each engine process."""
+    try:
+        path = inspect.getsourcefile(klass)
+    except TypeError:
+        return None
+    if path is None:
+        return None
+    segments = _class_segments(path)
+    return segments.get(klass.__qualname__) if segments is not None else None
+
+
+@functools.lru_cache(maxsize=None)
+def _class_segments(path: str) -> dict[str, str] | None:
+    """Qualified class name -> its source, for every class in the file at `path`."""
+    import ast
+
+    try:
+        text = Path(path).read_text()
+        tree = ast.parse(text)
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        return None
+    lines = text.splitlines(keepends=True)
+    segments: dict[str, str] = {}
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                qualname = prefix + child.name
+                first = min([child.lineno, *(d.lineno for d in child.decorator_list)])
+                segments.setdefault(qualname, "".join(lines[first - 1:child.end_lineno]))
+                visit(child, qualname + ".")
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(child, prefix + child.name + ".<locals>.")
+
+    visit(tree, "")
+    return segments
 
 
 def contract_problems(hooks: tuple[Hook, ...] = HOOKS) -> list[str]:
