@@ -71,3 +71,21 @@ def test_example_two_actors_on_a_local_ray_cluster(tiny_model: str, tmp_path: Pa
     summary = json.loads((tmp_path / "out.summary.json").read_text())
     assert summary["rows"] == len(inputs) and summary["generated_tokens"] == 40 * len(inputs)
     assert "rows by 2 actors" in result.stdout
+
+
+def test_parquet_and_jsonl_inputs_read_with_ray_data(tmp_path: Path) -> None:
+    import pyarrow
+    import pyarrow.parquet
+
+    from vllm_kvprune import batch
+
+    pyarrow.parquet.write_table(pyarrow.table({"prompt": ["a", "b", "c"]}), tmp_path / "prompts.parquet")
+    (tmp_path / "prompts.jsonl").write_text('{"prompt_token_ids": [1, 2]}\n{"prompt_token_ids": [3]}\n')
+    ray.init(num_cpus=1, include_dashboard=False)
+    try:
+        parquet = batch.read(str(tmp_path / "prompts.parquet"))
+        assert parquet.columns() == ["prompt"] and parquet.count() == 3
+        jsonl = batch.read(str(tmp_path / "prompts.jsonl"))
+        assert sorted(len(row["prompt_token_ids"]) for row in jsonl.take_all()) == [1, 2]
+    finally:
+        ray.shutdown()
