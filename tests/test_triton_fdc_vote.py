@@ -124,6 +124,23 @@ def test_decode_with_key_splits_matches_reference(splits: int, group: int, block
             assert not got[:, h * group:(h + 1) * group, v_rank:].any()
 
 
+@pytest.mark.parametrize("batch", [DECODE, PREFILL], ids=["decode", "prefill"])
+@pytest.mark.parametrize("group", [1, 3])
+def test_keys_by_token_layout_matches_reference(batch, group: int) -> None:
+    """The GPU layout (each head's keys token-major in a block) gives the same attention as
+    the dims-major cache it was converted from; with key splits too."""
+    block_size = 16
+    query, cache, table, starts, lens, heads = _case(51 + group, group, block_size, *batch)
+    expected = reduced_attention_reference(query, cache, table, starts, lens, heads, 0.2, OUTPUT_WIDTH, block_size)
+    converted = triton_fdc.keys_by_token(cache, heads, block_size)
+    assert not torch.equal(converted.nan_to_num(), cache.nan_to_num())  # a real change of layout
+    for splits in (1, 4):
+        got = triton_fdc.reduced_attention(query.to(DEVICE), converted.to(DEVICE), table.to(DEVICE), starts.to(DEVICE),
+                                           lens.to(DEVICE), heads, 0.2, OUTPUT_WIDTH, True, block_size,
+                                           key_splits=splits, max_seq_len=max(batch[1]), keys_by_token=True).cpu()
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_key_splits_leave_prefill_unchanged() -> None:
     """A mixed batch ignores key_splits (prefill tiles are not split): bit-identical."""
     case = _case(41, 3, 16, (1, 18, 1, 5), (40, 18, 7, 12))

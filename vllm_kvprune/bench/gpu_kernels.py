@@ -325,19 +325,24 @@ def _fdc_case(name: str, batch: int, length: int, shapes: Shapes, dtype: torch.d
             packed.k_ranks, packed.v_ranks, packed.k_offsets, packed.v_offsets, packed.row_width)))
         _write_packed(cache, packed, slots, flat_k, flat_v, bs)
         kept = (sum(k_ranks) + sum(v_ranks)) / (2 * heads * dim)
-        # (launch order, key splits): LPT vs natural for adaptive ranks; at full width and 50%
-        # every power-of-two split up to 16, the one choose_key_splits picks marked.
-        variants = [(True, 1), (False, 1)] if label == "adaptive ranks" else [(True, 1)]
+        by_token = triton_fdc.keys_by_token(cache, packed, bs)
+        # (launch order, key splits, keys token-major): LPT vs natural for adaptive ranks; at full
+        # width and 50% every power-of-two split up to 16, the one choose_key_splits picks
+        # marked; then the GPU layout (keys token-major) unsplit, split 4 and as chosen.
+        variants = [(True, 1, False), (False, 1, False)] if label == "adaptive ranks" else [(True, 1, False)]
         if label in ("full width", "50% dims"):
-            variants += [(True, splits) for splits in (2, 4, 8, 16) if length >= splits * 64]
-        for balanced, splits in variants:
-            call = lambda balanced=balanced, splits=splits: triton_fdc.reduced_attention(  # noqa: E731
-                query, cache, block_table, query_start_loc, seq_lens, device_heads, scale, dim, balanced, bs,
-                key_splits=splits, max_seq_len=length)
+            variants += [(True, splits, False) for splits in (2, 4, 8, 16) if length >= splits * 64]
+            variants += [(True, splits, True) for splits in sorted({1, 4, chosen}) if length >= splits * 64]
+        for balanced, splits, token_major in variants:
+            call = lambda balanced=balanced, splits=splits, token_major=token_major: triton_fdc.reduced_attention(  # noqa: E731
+                query, by_token if token_major else cache, block_table, query_start_loc, seq_lens, device_heads,
+                scale, dim, balanced, bs, key_splits=splits, max_seq_len=length, keys_by_token=token_major)
             error = _error(call().to(dtype), expected) if label == "full width" else None
             schedule = "" if label != "adaptive ranks" else (", LPT order" if balanced else ", natural order")
             split_label = "" if splits == 1 else f", {splits} key splits" + (" (chosen)" if splits == chosen else "")
-            case.time(f"Triton reduced, {label}{schedule}{split_label}", call, error, kv_kept=kept, key_splits=splits)
+            layout = ", keys token-major" if token_major else ""
+            case.time(f"Triton reduced, {label}{schedule}{split_label}{layout}", call, error, kv_kept=kept,
+                      key_splits=splits, keys_by_token=token_major)
 
 
 def case_fdc_tiles(shapes: Shapes, dtype: torch.dtype, device: str, rows: list) -> None:
@@ -375,20 +380,25 @@ def case_fdc_tiles(shapes: Shapes, dtype: torch.dtype, device: str, rows: list) 
                 packed.k_ranks, packed.v_ranks, packed.k_offsets, packed.v_offsets, packed.row_width)))
             starts = torch.arange(batch + 1, dtype=torch.int32, device=device)
             lens = torch.full((batch,), length, dtype=torch.int32, device=device)
-            grid = itertools.product((64, 128), (4, 8), (2, 3, 4)) if not tiny else [(32, 4, 2)]
-            for block_n, warps, stages in grid:
+            token_major = triton_fdc.keys_by_token(cache, packed, block_size)
+            grid = [(block_n, warps, stages, False) for block_n, warps, stages in
+                    itertools.product((64, 128), (4, 8), (2, 3, 4))]
+            grid += [(block_n, warps, stages, True) for block_n, warps, stages in
+                     itertools.product((64, 128), (4, 8), (2, 3))]
+            for block_n, warps, stages, by_token in (grid if not tiny else [(32, 4, 2, False), (32, 4, 2, True)]):
                 triton_fdc._TILE_OVERRIDE.update(block_n=block_n, num_warps=warps, num_stages=stages)
                 try:
-                    call = lambda: triton_fdc.reduced_attention(  # noqa: E731
-                        query, cache, table, starts, lens, on_device, scale, dim, True, block_size,
-                        key_splits=splits, max_seq_len=length)
+                    call = lambda by_token=by_token: triton_fdc.reduced_attention(  # noqa: E731
+                        query, token_major if by_token else cache, table, starts, lens, on_device, scale, dim, True,
+                        block_size, key_splits=splits, max_seq_len=length, keys_by_token=by_token)
                     error = _error(call().to(dtype), expected) if width == dim else None
                     case.time(f"{'full width' if width == dim else '50% dims'}, block {block_size}, "
-                              f"{block_n} keys/step, {warps} warps, {stages} stages, {splits} splits", call, error,
+                              f"{block_n} keys/step, {warps} warps, {stages} stages, {splits} splits"
+                              + (", keys token-major" if by_token else ""), call, error,
                               kv_kept=width / dim, block_n=block_n, num_warps=warps, num_stages=stages,
-                              key_splits=splits, block_size=block_size)
+                              key_splits=splits, block_size=block_size, keys_by_token=by_token)
                 except Exception as failure:  # noqa: BLE001  (a tile that does not compile: say so, go on)
-                    print(f"  skipped {block_n}/{warps}/{stages}: {type(failure).__name__}: {failure}"[:300])
+                    print(f"  skipped {block_n}/{warps}/{stages}/{by_token}: {type(failure).__name__}: {failure}"[:300])
                 finally:
                     triton_fdc._TILE_OVERRIDE.clear()
 

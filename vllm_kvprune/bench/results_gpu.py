@@ -74,7 +74,8 @@ def fdc_tiles_section(path: Path, doc_dir: Path) -> str:
                 rows.append([case, f"{which} of {len(tried)}: {row['candidate']}", f"{row['ms']:.4f}",
                              MISSING if row.get("speedup_vs_torch") is None else f"{row['speedup_vs_torch']:.2f}x"])
     command = shown_command(machine.get("command")) if machine.get("command") else GPU_COMMAND
-    parts = [f"### fdc decode: key splits and tiles on {machine.get('gpu', 'a GPU')} (`{Path(path).name}`)",
+    parts = [f"### fdc decode: key splits, key layouts and tiles on {machine.get('gpu', 'a GPU')} "
+             f"(`{Path(path).name}`)",
              f"Command (on the GPU machine): `{command}`. {document.get('dtype')}; \"vs torch\" is torch SDPA at "
              "full width on the same inputs (it reads every dim of every key).",
              markdown_table(["case", "candidate", "ms", "vs torch"], rows)]

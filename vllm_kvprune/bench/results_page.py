@@ -130,7 +130,8 @@ def render(results_dir: Path, page_path: Path) -> str:
     gpu_parts = [results_gpu.gpu_section(path, page_path.parent)
                  for path in sorted((results_dir / "gpu").glob("kernels*.json"))]
     gpu_parts += [results_gpu.fdc_tiles_section(path, page_path.parent)
-                  for path in sorted((results_dir / "gpu").glob("fdc_tiles*.json"))]
+                  for pattern in ("fdc_tiles*.json", "fdc_layout*.json")
+                  for path in sorted((results_dir / "gpu").glob(pattern))]
     if any(gpu_parts):
         parts += ["## GPU kernels", *gpu_parts]
 

@@ -74,6 +74,7 @@ def _reduced_attention_kernel(
     block_size: tl.constexpr, KEY_RUNS: tl.constexpr, V_ALIGN: tl.constexpr, DECODE: tl.constexpr, ORDERED: tl.constexpr, DOT_PRECISION: tl.constexpr,
     seq_lens_ptr, num_heads,
     partial_acc_ptr, partial_stats_ptr, split_keys, SPLITS: tl.constexpr,
+    KEYS_BY_TOKEN: tl.constexpr, K_ALIGN: tl.constexpr,
 ):
     """Program p: task p of ``tasks`` (int32 rows of _TASK_FIELDS). A task with 0 queries reads
     no keys and stores nothing. Invariant: the rows stored are exactly the tile's queries x the
@@ -109,7 +110,7 @@ def _reduced_attention_kernel(
         first_read = split * split_keys
         num_keys = tl.minimum(num_keys, first_read + split_keys)
 
-    k_rank = tl.load(k_ranks_ptr + head)
+    k_rank = tl.multiple_of(tl.load(k_ranks_ptr + head), K_ALIGN)
     # Every head's v_rank is a multiple of V_ALIGN: rows of values start aligned, so their
     # loads can be vectorised (an odd rank leaves them unaligned, element by element).
     v_rank = tl.multiple_of(tl.load(v_ranks_ptr + head), V_ALIGN)
@@ -146,7 +147,12 @@ def _reduced_attention_kernel(
         slots = (positions % block_size).to(tl.int64)
         token_base = physical * cache_stride_block + slots  # + block_size * column for the keys
         # Keys [BLOCK_K, BLOCK_N] (dims-major in a block: dim d of a block's tokens is contiguous).
-        if KEY_RUNS == 1:
+        if KEYS_BY_TOKEN:
+            # The GPU layout (`keys_by_token`): a token's k_rank dims contiguous, as its values.
+            keys_t = tl.trans(tl.load(
+                cache_ptr + (physical * cache_stride_block + block_size * k_offset + slots * k_rank)[:, None]
+                + k_dims[None, :], mask=key_ok[:, None] & (k_dims < k_rank)[None, :], other=0.0).to(tl.float32))
+        elif KEY_RUNS == 1:
             # The step lies in one block: each dim's BLOCK_N keys are one contiguous run, which
             # the compiler can see (the block id is a scalar), so the loads are vectorised.
             block = tl.load(table_row + first_key // block_size).to(tl.int64)
@@ -296,7 +302,7 @@ def build_tasks(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, heads: Pa
 def reduced_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, heads: PackedHeads, scale: float,
                       output_width: int, balanced: bool = True, block_size: int | None = None,
-                      key_splits: int = 1, max_seq_len: int | None = None) -> torch.Tensor:
+                      key_splits: int = 1, max_seq_len: int | None = None, keys_by_token: bool = False) -> torch.Tensor:
     """Attention of ``query`` ``[T, Hq, QW]`` over the packed ``kv_cache`` ``[num_blocks, >=
     block_size * row_width]`` (fp32, fp16 or bf16, contiguous rows); returns ``[T, Hq,
     output_width]`` fp32 on the query's device (see the module docstring).
@@ -312,6 +318,8 @@ def reduced_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: 
     fills the GPU when sequences x KV heads are few and long), then combines the partials in a
     second launch; it needs ``max_seq_len`` (host int, ``>= max(seq_lens)``, as vLLM's metadata
     has it) and a power of two; prefill and mixed batches ignore it. See :func:`choose_key_splits`.
+    ``keys_by_token``: the cache holds each head's keys token-major (:func:`keys_by_token`), the
+    layout a GPU reads best; the default is :class:`PackedHeads`' dims-major keys.
     """
     if key_splits < 1 or key_splits & (key_splits - 1):
         raise ValueError(f"key_splits must be a power of two >= 1, got {key_splits}")
@@ -412,6 +420,7 @@ def reduced_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: 
         DECODE=decode, ORDERED=decode and balanced, DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
         seq_lens_ptr=seq_lens, num_heads=num_heads,
         partial_acc_ptr=partial_acc, partial_stats_ptr=partial_stats, split_keys=split_keys, SPLITS=splits,
+        KEYS_BY_TOKEN=keys_by_token, K_ALIGN=on_device.k_align,
         **{key: _TILE_OVERRIDE[key] for key in ("num_warps", "num_stages") if _TILE_OVERRIDE.get(key)},
     )
     if splits > 1:
@@ -419,6 +428,19 @@ def reduced_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: 
             partial_acc, partial_stats, output, on_device.v_ranks, group, num_heads,
             output.stride(0), output.stride(1), ROWS=rows, BLOCK_V=block_v, SPLITS=splits)
     return output
+
+
+def keys_by_token(kv_cache: torch.Tensor, heads: PackedHeads, block_size: int) -> torch.Tensor:
+    """A copy of a packed cache ``[num_blocks, >= block_size * row_width]`` with each head's keys
+    token-major inside each block (token ``t``'s dims at ``block_size * k_offset + t * k_rank``,
+    as values are laid out): the same bytes per block, what ``keys_by_token=True`` reads."""
+    converted = kv_cache.clone()
+    for head in range(heads.num_heads):
+        rank, offset = int(heads.k_ranks[head]), int(heads.k_offsets[head])
+        region = slice(block_size * offset, block_size * (offset + rank))
+        converted[:, region] = kv_cache[:, region].reshape(-1, rank, block_size).transpose(1, 2).reshape(
+            kv_cache.shape[0], -1)
+    return converted
 
 
 def _key_runs(block_size: int, block_n: int) -> int:
@@ -443,6 +465,7 @@ class _HeadsOnDevice:
     max_k_rank: int
     max_v_rank: int
     v_align: int  # the largest power of two (<= 16) dividing every v_rank
+    k_align: int  # the same for every k_rank
 
 
 def _device_heads(heads: PackedHeads, device: torch.device) -> _HeadsOnDevice:
@@ -459,7 +482,7 @@ def _device_heads(heads: PackedHeads, device: torch.device) -> _HeadsOnDevice:
             k_ranks.to(device=device, dtype=torch.int32), v_ranks.to(device=device, dtype=torch.int32),
             heads.k_offsets.to(device=device, dtype=torch.int64), heads.v_offsets.to(device=device, dtype=torch.int64),
             (k_ranks.long() + v_ranks.long()).to(device), int(k_ranks.max()), int(v_ranks.max()),
-            _power_of_two_dividing(v_ranks.tolist(), 16))
+            _power_of_two_dividing(v_ranks.tolist(), 16), _power_of_two_dividing(k_ranks.tolist(), 16))
     return cached[device]
 
 
