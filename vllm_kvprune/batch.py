@@ -8,6 +8,12 @@ policy, tokens kept). The policy reaches each engine through vLLM's own config
 (`additional_config`), and the plugin loads in each Ray worker from its installed entry point:
 nothing travels in environment variables.
 
+Why `map_batches` with our own actor class rather than Ray's `ray.data.llm` vLLM processor: that
+processor asks each engine replica for a GPU bundle by default (`{"GPU": 1, "CPU": 1}`, Ray 2.60's
+`ray/llm/_internal/batch/stages/vllm_engine_stage.py`), which a CPU cluster never grants, and it
+does not return per-request KV statistics. On GPU clusters it can take the same
+`additional_config`; that path is not tried here.
+
 Where: on one machine, a local Ray cluster is started for the job (`--ray-address` unset); on
 a cluster, `ray start --head` on one node, `ray start --address HEAD:6379` on the others (each
 with this package and vLLM installed), then this command with `--ray-address auto` on any of
