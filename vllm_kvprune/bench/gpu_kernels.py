@@ -283,33 +283,66 @@ def case_fdc(shapes: Shapes, dtype: torch.dtype, device: str, rows: list) -> Non
               every_rank_set=False)
 
 
+@dataclass
+class _DecodeInputs:
+    """One decode step's dense queries, keys and values ``[batch, heads, length, dim]`` on the
+    device, the vLLM metadata of its packed caches, and the generator that drew them (cases
+    draw their ranks from it next)."""
+
+    query: torch.Tensor
+    dense_k: torch.Tensor
+    dense_v: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    scale: float
+    generator: torch.Generator
+
+    @classmethod
+    def draw(cls, batch: int, length: int, shapes: Shapes, dtype: torch.dtype, device: str, seed: int) -> "_DecodeInputs":
+        generator = torch.Generator().manual_seed(seed)
+        heads, dim = shapes.kv_heads, shapes.head_dim
+        query = torch.randn(batch, heads * shapes.group, dim, generator=generator).to(device, dtype)
+        dense_k = torch.randn(batch, heads, length, dim, generator=generator).to(device, dtype)
+        dense_v = torch.randn(batch, heads, length, dim, generator=generator).to(device, dtype)
+        return cls(query, dense_k, dense_v, torch.arange(batch + 1, dtype=torch.int32, device=device),
+                   torch.full((batch,), length, dtype=torch.int32, device=device), dim ** -0.5, generator)
+
+    def sdpa(self) -> torch.Tensor:
+        """Torch's attention at full width: the baseline and the expected output."""
+        return torch.nn.functional.scaled_dot_product_attention(
+            self.query[:, :, None, :], self.dense_k, self.dense_v, scale=self.scale, enable_gqa=True)[:, :, 0, :]
+
+    def packed(self, k_ranks: list[int], v_ranks: list[int], block_size: int):
+        """(cache, heads on the device, block table): the keys and values cut to the ranks, in a
+        packed FDC cache whose blocks are laid out request after request."""
+        from vllm_kvprune.kernels.reduced_attention import PackedHeads
+
+        batch, heads, length, _ = self.dense_k.shape
+        device, dtype = self.dense_k.device, self.dense_k.dtype
+        layout = PackedHeads.from_ranks(k_ranks, v_ranks)
+        per_request = length // block_size
+        table = torch.arange(batch * per_request, dtype=torch.int32, device=device).view(batch, per_request)
+        cache = torch.empty(batch * per_request, block_size * layout.row_width, dtype=dtype, device=device)
+        _write_packed(cache, layout, torch.arange(batch * length, device=device),
+                      self.dense_k.permute(0, 2, 1, 3).reshape(-1, heads, self.dense_k.shape[-1]),
+                      self.dense_v.permute(0, 2, 1, 3).reshape(-1, heads, self.dense_v.shape[-1]), block_size)
+        on_device = PackedHeads(*(t.to(device) if isinstance(t, torch.Tensor) else t for t in (
+            layout.k_ranks, layout.v_ranks, layout.k_offsets, layout.v_offsets, layout.row_width)))
+        return cache, on_device, table
+
+
 def _fdc_case(name: str, batch: int, length: int, shapes: Shapes, dtype: torch.dtype, device: str, rows: list,
               every_rank_set: bool) -> None:
-    from vllm_kvprune.kernels.reduced_attention import PackedHeads
     from vllm_kvprune.kernels.triton import reduced_attention as triton_fdc
 
-    generator = torch.Generator().manual_seed(3)
-    heads, group, dim, bs = shapes.kv_heads, shapes.group, shapes.head_dim, shapes.block_size
-    scale = dim ** -0.5
-    query = torch.randn(batch, heads * group, dim, generator=generator).to(device, dtype)
-    dense_k = torch.randn(batch, heads, length, dim, generator=generator).to(device, dtype)
-    dense_v = torch.randn(batch, heads, length, dim, generator=generator).to(device, dtype)
-    per_request = length // bs
-    block_table = torch.arange(batch * per_request, dtype=torch.int32, device=device).view(batch, per_request)
-    query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device=device)
-    seq_lens = torch.full((batch,), length, dtype=torch.int32, device=device)
-    slots = torch.arange(batch * length, device=device)
+    inputs = _DecodeInputs.draw(batch, length, shapes, dtype, device, seed=3)
+    heads, dim, bs = shapes.kv_heads, shapes.head_dim, shapes.block_size
     multiprocessors = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 4
     chosen = triton_fdc.choose_key_splits(batch * heads, length, multiprocessors)
     case = Case(name, device, rows)
-
-    def sdpa() -> torch.Tensor:
-        return torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, None, :], dense_k, dense_v, scale=scale, enable_gqa=True)[:, :, 0, :]
-
-    expected = sdpa()
-    case.time("torch SDPA, full width", sdpa, baseline=True, kv_kept=1.0)
-    adaptive = torch.randint(max(dim // 8, 1), dim + 1, (2, heads), generator=generator)
+    expected = inputs.sdpa()
+    case.time("torch SDPA, full width", inputs.sdpa, baseline=True, kv_kept=1.0)
+    adaptive = torch.randint(max(dim // 8, 1), dim + 1, (2, heads), generator=inputs.generator)
     rank_sets = {"full width": ([dim] * heads, [dim] * heads),
                  "50% dims": ([dim // 2] * heads, [dim // 2] * heads)}
     if every_rank_set:
@@ -317,15 +350,8 @@ def _fdc_case(name: str, batch: int, length: int, shapes: Shapes, dtype: torch.d
                           "adaptive ranks up to a multiple of 8": ((-(-adaptive[0] // 8) * 8).clamp(max=dim).tolist(),
                                                                    (-(-adaptive[1] // 8) * 8).clamp(max=dim).tolist())})
     for label, (k_ranks, v_ranks) in rank_sets.items():
-        packed = PackedHeads.from_ranks(k_ranks, v_ranks)
-        cache = torch.empty(batch * per_request, bs * packed.row_width, dtype=dtype, device=device)
-        flat_k = dense_k.permute(0, 2, 1, 3).reshape(-1, heads, dim)
-        flat_v = dense_v.permute(0, 2, 1, 3).reshape(-1, heads, dim)
-        device_heads = PackedHeads(*(t.to(device) if isinstance(t, torch.Tensor) else t for t in (
-            packed.k_ranks, packed.v_ranks, packed.k_offsets, packed.v_offsets, packed.row_width)))
-        _write_packed(cache, packed, slots, flat_k, flat_v, bs)
+        cache, device_heads, block_table = inputs.packed(k_ranks, v_ranks, bs)
         kept = (sum(k_ranks) + sum(v_ranks)) / (2 * heads * dim)
-        by_token = triton_fdc.keys_by_token(cache, packed, bs)
         # (launch order, key splits, keys token-major): LPT vs natural for adaptive ranks; at full
         # width and 50% every power-of-two split up to 16, the one choose_key_splits picks
         # marked; then the GPU layout (keys token-major) unsplit, split 4 and as chosen.
@@ -333,10 +359,12 @@ def _fdc_case(name: str, batch: int, length: int, shapes: Shapes, dtype: torch.d
         if label in ("full width", "50% dims"):
             variants += [(True, splits, False) for splits in (2, 4, 8, 16) if length >= splits * 64]
             variants += [(True, splits, True) for splits in sorted({1, 4, chosen}) if length >= splits * 64]
+        by_token = triton_fdc.keys_by_token(cache, device_heads, bs) if any(v[2] for v in variants) else None
         for balanced, splits, token_major in variants:
             call = lambda balanced=balanced, splits=splits, token_major=token_major: triton_fdc.reduced_attention(  # noqa: E731
-                query, by_token if token_major else cache, block_table, query_start_loc, seq_lens, device_heads,
-                scale, dim, balanced, bs, key_splits=splits, max_seq_len=length, keys_by_token=token_major)
+                inputs.query, by_token if token_major else cache, block_table, inputs.query_start_loc,
+                inputs.seq_lens, device_heads, inputs.scale, dim, balanced, bs, key_splits=splits,
+                max_seq_len=length, keys_by_token=token_major)
             error = _error(call().to(dtype), expected) if label == "full width" else None
             schedule = "" if label != "adaptive ranks" else (", LPT order" if balanced else ", natural order")
             split_label = "" if splits == 1 else f", {splits} key splits" + (" (chosen)" if splits == chosen else "")
@@ -351,36 +379,19 @@ def case_fdc_tiles(shapes: Shapes, dtype: torch.dtype, device: str, rows: list) 
     fdc shapes; each row against SDPA at full width on the same inputs."""
     import itertools
 
-    from vllm_kvprune.kernels.reduced_attention import PackedHeads
     from vllm_kvprune.kernels.triton import reduced_attention as triton_fdc
 
-    heads, group, dim = shapes.kv_heads, shapes.group, shapes.head_dim
+    heads, dim = shapes.kv_heads, shapes.head_dim
     tiny = shapes is TINY
     # Key splits fixed per shape (none at batch 32, 4 for the few long: the best of the fdc case).
     for batch, length, splits in ((shapes.batch, shapes.seq_len, 1), (max(1, shapes.batch // 8), 4 * shapes.seq_len, 4)):
-        generator = torch.Generator().manual_seed(5)
-        query = torch.randn(batch, heads * group, dim, generator=generator).to(device, dtype)
-        dense_k = torch.randn(batch, heads, length, dim, generator=generator).to(device, dtype)
-        dense_v = torch.randn(batch, heads, length, dim, generator=generator).to(device, dtype)
-        scale = dim ** -0.5
+        inputs = _DecodeInputs.draw(batch, length, shapes, dtype, device, seed=5)
         case = Case(f"fdc tiles, batch {batch} x {length} keys", device, rows)
-        expected = torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, None, :], dense_k, dense_v, scale=scale, enable_gqa=True)[:, :, 0, :]
-        case.time("torch SDPA, full width", lambda: torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, None, :], dense_k, dense_v, scale=scale, enable_gqa=True), baseline=True)
-        flat_k = dense_k.permute(0, 2, 1, 3).reshape(-1, heads, dim)
-        flat_v = dense_v.permute(0, 2, 1, 3).reshape(-1, heads, dim)
+        expected = inputs.sdpa()
+        case.time("torch SDPA, full width", inputs.sdpa, baseline=True)
         for block_size, width in itertools.product((16,) if tiny else (16, 64), (dim, dim // 2)):
-            packed = PackedHeads.from_ranks([width] * heads, [width] * heads)
-            per_request = length // block_size
-            table = torch.arange(batch * per_request, dtype=torch.int32, device=device).view(batch, per_request)
-            cache = torch.empty(batch * per_request, block_size * packed.row_width, dtype=dtype, device=device)
-            _write_packed(cache, packed, torch.arange(batch * length, device=device), flat_k, flat_v, block_size)
-            on_device = PackedHeads(*(t.to(device) if isinstance(t, torch.Tensor) else t for t in (
-                packed.k_ranks, packed.v_ranks, packed.k_offsets, packed.v_offsets, packed.row_width)))
-            starts = torch.arange(batch + 1, dtype=torch.int32, device=device)
-            lens = torch.full((batch,), length, dtype=torch.int32, device=device)
-            token_major = triton_fdc.keys_by_token(cache, packed, block_size)
+            cache, on_device, table = inputs.packed([width] * heads, [width] * heads, block_size)
+            token_major = triton_fdc.keys_by_token(cache, on_device, block_size)
             grid = [(block_n, warps, stages, False) for block_n, warps, stages in
                     itertools.product((64, 128), (4, 8), (2, 3, 4))]
             grid += [(block_n, warps, stages, True) for block_n, warps, stages in
@@ -389,8 +400,9 @@ def case_fdc_tiles(shapes: Shapes, dtype: torch.dtype, device: str, rows: list) 
                 triton_fdc._TILE_OVERRIDE.update(block_n=block_n, num_warps=warps, num_stages=stages)
                 try:
                     call = lambda by_token=by_token: triton_fdc.reduced_attention(  # noqa: E731
-                        query, token_major if by_token else cache, table, starts, lens, on_device, scale, dim, True,
-                        block_size, key_splits=splits, max_seq_len=length, keys_by_token=by_token)
+                        inputs.query, token_major if by_token else cache, table, inputs.query_start_loc,
+                        inputs.seq_lens, on_device, inputs.scale, dim, True, block_size, key_splits=splits,
+                        max_seq_len=length, keys_by_token=by_token)
                     error = _error(call().to(dtype), expected) if width == dim else None
                     case.time(f"{'full width' if width == dim else '50% dims'}, block {block_size}, "
                               f"{block_n} keys/step, {warps} warps, {stages} stages, {splits} splits"
