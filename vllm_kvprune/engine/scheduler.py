@@ -67,7 +67,7 @@ class KVPruneScheduler(Scheduler):
         # Metrics (vllm_kvprune.metrics): counted when vLLM logs stats and a policy is on.
         folder = metrics.metrics_dir()
         self.kvprune_stats = None
-        self.last_kept: dict[str, tuple[float, int]] = {}  # request -> (mean, max) kept tokens
+        self.last_kept: dict[str, tuple[float, int]] = {}  # reporting request -> (mean, max) kept tokens
         if self.log_stats and folder and self.kv_policy.active:
             from vllm_kvprune.metrics.engine import EngineStats
 
@@ -141,9 +141,11 @@ class KVPruneScheduler(Scheduler):
             if request_id in self.requests:
                 for manager in self.kvprune_managers:
                     manager.set_footprint(request_id, num_blocks)
-        # The tokens each request keeps, as last reported, for its `kv_report` when it ends.
+        # The tokens each request that asked for a `kv_report` keeps, as last reported, for that
+        # report when it ends.
         for request_id, kept in (vllm_hooks.step_report_of(model_runner_output).get("kept") or {}).items():
-            if request_id in self.requests:
+            request = self.requests.get(request_id)
+            if request is not None and _wants_report(request):
                 self.last_kept[request_id] = kept
         if self.kvprune_stats is not None:  # before vLLM frees what finished in this step
             self.kvprune_stats.step(vllm_hooks.step_report_of(model_runner_output),
