@@ -96,7 +96,7 @@ def test_yaml(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["none", "streaming", "streaming-endless", "h2o", "paged_eviction", "gvote", "fdc",
-                                  "streaming-fdc"])
+                                  "streaming-fdc", "paged_eviction-fdc"])
 def test_presets_are_valid(name):
     from pathlib import Path
 

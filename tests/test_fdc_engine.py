@@ -10,7 +10,9 @@
 - vLLM's compiled mode (no --enforce-eager) gives the eager run's tokens;
 - `streaming` with `fdc` (FDC's "KF-F"): the streaming reference given FDC's head transform,
   token for token, with the prompt pruned after it (`prefill: full`) or while it streams in;
-  the pool holds the narrow blocks and each request at most the streaming cap of them.
+  the pool holds the narrow blocks and each request at most the streaming cap of them;
+- `paged_eviction` with `fdc`: the PagedEviction reference given the same transform, scoring
+  the reduced keys and values it caches.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from conftest import engine, make_llm, page_bytes, scheduler_of
 from vllm_kvprune.fdc import calibration as fdc
 from vllm_kvprune.reference.fdc import FdcReference, FdcTransform
 from vllm_kvprune.reference.budgeted import BudgetedReference
+from vllm_kvprune.reference.paged_eviction import PagedEvictionReference
 from vllm_kvprune.reference.streaming import StreamingLLMReference
 
 pytestmark = pytest.mark.slow
@@ -46,11 +49,11 @@ def calibrations(tiny_model, tmp_path_factory) -> dict[str, tuple]:
     return files
 
 
-def _generate(llm) -> list[tuple[list[int], list[float]]]:
+def _generate(llm, prompts: list[list[int]] = PROMPTS) -> list[tuple[list[int], list[float]]]:
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, logprobs=0, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in PROMPTS], params, use_tqdm=False)
+    outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts], params, use_tqdm=False)
     results = []
     for output in outputs:
         completion = output.outputs[0]
@@ -174,6 +177,32 @@ def test_streaming_with_fdc_matches_the_reference(prefill, tiny_model, calibrati
                   .generate(prompt, NEW_TOKENS, prompt_logprobs=False) for prompt in PROMPTS]
     # The prompts outgrow the budget (60 and 100 tokens) or their generation does (40 + 10).
     assert all(len(prompt) + NEW_TOKENS > 48 for prompt in PROMPTS)
+    _assert_matches(results, references)
+
+
+def test_paged_eviction_with_fdc_matches_the_reference(tiny_model, calibrations, reference_model,
+                                                       adaptive_run) -> None:
+    """Block eviction over narrow blocks: each layer keeps its best prompt tokens and drops its
+    lowest-scored block, scored by ||V|| / ||K|| of the reduced vectors it stores."""
+    path, calibration = calibrations["adaptive"]
+    # 130 tokens: the prompt is pruned to the budget, then a block goes at the first decode;
+    # 90 tokens: a block goes when the decode fills the cap (3 blocks); 40: nothing goes.
+    prompts = [[5 * i % 47000 + 11 for i in range(130)], list(range(500, 590)), PROMPTS[1]]
+    paged = {"name": "paged_eviction", "budget": 96, "sinks": 4}
+    with engine(tiny_model, {**paged, "fdc": path}, kv_blocks=KV_BLOCKS) as llm:
+        manager = scheduler_of(llm).kv_cache_manager
+        pool_blocks = manager.block_pool.num_gpu_blocks
+        results = _generate(llm, prompts)
+        held_after = manager.block_pool.get_num_free_blocks()
+    assert pool_blocks == adaptive_run[1]
+    assert held_after == pool_blocks - 1
+    transform = FdcTransform(calibration)
+    references = [PagedEvictionReference(reference_model, budget=96, block_size=32, sinks=4, head_transform=transform)
+                  .generate(prompt, NEW_TOKENS, prompt_logprobs=False) for prompt in prompts]
+    unpruned = [FdcReference(reference_model, calibration).generate(prompt, NEW_TOKENS, prompt_logprobs=False)
+                for prompt in prompts[:2]]
+    # The eviction cannot be missing unnoticed: it changes what both long prompts score.
+    assert all(full.logprobs != pruned.logprobs for full, pruned in zip(unpruned, references))
     _assert_matches(results, references)
 
 

@@ -34,12 +34,10 @@ FOOTPRINT_POLICIES = ("gvote",)
 KEEP_ALL_POLICIES = ("fdc",)
 # Eviction policies FDC's narrow heads compose with (`--kv-fdc FILE` beside them), and why the
 # others do not: each needs something of the full-width cache that the reduced one lacks.
-FDC_COMPOSABLE = ("fdc", "streaming")
+FDC_COMPOSABLE = ("fdc", "streaming", "paged_eviction")
 FDC_REFUSALS = {
     "none": "a calibration without eviction is --kv-policy fdc",
     "h2o": "h2o's attention mass would have to come from the reduced-space kernel, which does not compute it",
-    "paged_eviction": "paged_eviction scores tokens by their full-width key and value norms, which the narrow "
-                      "write path does not keep",
     "gvote": "gvote's per-head lengths (head-pages) and FDC's per-head widths (packed rows) are two layouts "
              "that are not combined",
 }
@@ -223,11 +221,12 @@ class KVPolicyConfig:
         return self.budget - self.sinks
 
     def _check_fdc(self, name_of) -> None:
-        """FDC narrows heads: alone (`fdc`, every token kept) or under `streaming`'s eviction."""
+        """FDC narrows heads: alone (`fdc`, every token kept) or under the eviction of a policy in
+        `FDC_COMPOSABLE`."""
         if self.name not in FDC_COMPOSABLE:
             why = FDC_REFUSALS.get(self.name, "not built")
             raise KVConfigError(name_of("fdc"), f"FDC does not compose with {self.name}: {why}; it composes "
-                                "with streaming, or runs alone as --kv-policy fdc")
+                                "with streaming and paged_eviction, or runs alone as --kv-policy fdc")
         if not isinstance(self.fdc, (str, Path)) or not str(self.fdc):
             who = "policy 'fdc'" if self.name == "fdc" else f"{self.name} with FDC"
             raise KVConfigError(name_of("fdc"), f"{who} needs a calibration file "

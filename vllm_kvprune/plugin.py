@@ -144,7 +144,8 @@ def _add_kv_flags(parser):
                        help="gvote: seed of the synthetic queries (default 0).")
     group.add_argument("--kv-fdc", type=str, default=None, metavar="FILE",
                        help="FDC calibration file of the model (vllm-kvprune calibrate fdc MODEL --out FILE): "
-                            "narrower KV heads, alone (--kv-policy fdc) or under --kv-policy streaming.")
+                            "narrower KV heads, alone (--kv-policy fdc) or under --kv-policy streaming or "
+                            "paged_eviction.")
     group.add_argument("--kv-config", type=str, default=None, metavar="FILE.yaml",
                        help="YAML file of KV policy settings; --kv-* flags override it.")
     return parser

@@ -270,8 +270,8 @@ FDC_CALIBRATIONS = (("fdc_calibration_random.json", "random tokens"), ("fdc_cali
                     ("fdc_heldout_essays.json", "essays (held-out text)"))
 
 
-# Served throughput with FDC: alone (8 requests), under streaming (24 requests).
-FDC_THROUGHPUT = ("throughput_fdc", "throughput_streaming_fdc_24")
+# Served throughput with FDC: alone (8 requests), under streaming and paged_eviction (24 requests).
+FDC_THROUGHPUT = ("throughput_fdc", "throughput_streaming_fdc_24", "throughput_paged_fdc_24")
 
 
 def _percent(value: Any) -> str:

@@ -55,7 +55,8 @@ from vllm_kvprune.bench import common
 MEMORY_BOUND = "memory-bound"
 BUDGET_FREE = ("gvote",)  # choose their own memory per request: one case each, no budget
 KEEP_ALL = ("fdc",)  # keep every token, each narrower (the pool's bytes hold more blocks): one case
-WITH_FDC = ("streaming+fdc",)  # a budgeted policy over FDC's narrower heads: budgets x narrower blocks
+# Budgeted policies over FDC's narrower heads: budgets x narrower blocks.
+WITH_FDC = ("streaming+fdc", "paged_eviction+fdc")
 MATCHED_POLICY = "h2o"  # also run at each budget-free policy's measured mean memory
 OVERHEAD = "overhead"
 TARGET_MEMORY_BOUND_RATIO = 2.0  # streaming (budget 512) over none, memory-bound
@@ -448,7 +449,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, sinks=args.sinks, fdc=args.fdc,
     )
     if any(policy in (*KEEP_ALL, *WITH_FDC) for policy in args.policies) and not args.fdc:
-        raise SystemExit("--policies fdc / streaming+fdc need --fdc FILE (vllm-kvprune calibrate fdc MODEL --out FILE)")
+        raise SystemExit("--policies fdc / POLICY+fdc need --fdc FILE (vllm-kvprune calibrate fdc MODEL --out FILE)")
     needed = min_pool_blocks(engine.max_model_len, engine.block_size)
     if args.pool_blocks < needed:
         raise SystemExit(
@@ -718,7 +719,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "admits everyone, then preempts and recomputes over and over (slow; --quick uses it)")
     add("--block-size", type=int, default=32)
     add("--fdc", default=None, metavar="FILE",
-        help="FDC calibration of the model, for --policies fdc and streaming+fdc "
+        help="FDC calibration of the model, for --policies fdc, streaming+fdc and paged_eviction+fdc "
              "(vllm-kvprune calibrate fdc MODEL --out FILE)")
     add("--sinks", type=int, default=4)
     add("--overhead-requests", type=int, default=None,

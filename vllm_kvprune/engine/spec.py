@@ -36,6 +36,6 @@ class FdcSpec(FullAttentionSpec):
 
 
 class PrunedFdcSpec(KVPruneSpec):
-    """FDC's narrower heads under an eviction policy (`streaming` with `fdc`): the cap of
-    `KVPruneSpec` (our manager returns the blocks past it) over FDC's narrowed `head_size`, so
-    the two savings multiply. Field-less, as above."""
+    """FDC's narrower heads under an eviction policy (`streaming` or `paged_eviction` with
+    `fdc`): the cap of `KVPruneSpec` (our manager returns the blocks past it) over FDC's
+    narrowed `head_size`, so the two savings multiply. Field-less, as above."""

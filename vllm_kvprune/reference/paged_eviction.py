@@ -19,6 +19,8 @@ Semantics (the engine implements exactly the same):
   R = 1 a layer drops one block each time its blocks are full, and with R > 1 it drops R blocks
   every R block fills.
 * Positions are always the original ones (keys cached after RoPE).
+* With FDC (``head_transform``) the cache holds each head's reduced keys and values, and the
+  scores are taken from them: what is cached is what is scored.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import math
 import torch
 from torch import nn
 
-from .model import StepOutput, forward_step
+from .model import HeadTransform, StepOutput, forward_step
 from .budgeted import BudgetedReference, lowest_scores_first
 
 
@@ -36,8 +38,8 @@ class PagedEvictionReference(BudgetedReference):
     """PagedEviction on a contiguous cache: token gather at prefill, block removal at decode."""
 
     def __init__(self, model: nn.Module, *, budget: int, block_size: int, sinks: int = 0,
-                 prune_interval: int = 1) -> None:
-        super().__init__(model, budget=budget, prune_interval=prune_interval)
+                 prune_interval: int = 1, head_transform: HeadTransform | None = None) -> None:
+        super().__init__(model, budget=budget, prune_interval=prune_interval, head_transform=head_transform)
         self.block_size = block_size
         self.sinks = sinks
         self.cap_tokens = (math.ceil(budget / block_size) + prune_interval - 1) * block_size
@@ -55,7 +57,7 @@ class PagedEvictionReference(BudgetedReference):
                 self._evict_blocks(layer)
         kept_before = len(self.cache)
         positions = torch.arange(self.next_position, self.next_position + num_new)
-        out = forward_step(self.model, token_ids, self.cache, positions)
+        out = forward_step(self.model, token_ids, self.cache, positions, head_transform=self.head_transform)
         self.next_position += num_new
         self.tokens_seen += num_new
         self.last_kept = kept_before + num_new

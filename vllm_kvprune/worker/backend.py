@@ -62,13 +62,10 @@ class KVPruneMetadataBuilder(CPUAttentionMetadataBuilder):
         physical = dataclasses.replace(
             common_attn_metadata, seq_lens=plan.seq_lens, max_seq_len=int(plan.seq_lens.max())
         )
-        if self.narrow_heads:
-            # FDC under eviction: FDC's kernel over the physical lengths, the plan's moves
-            # carried out on the narrow cache by the impl.
-            metadata = _fdc_metadata(physical)
-            metadata.kvprune_plan = plan
-            return metadata
-        metadata = super().build(common_prefix_len, physical, fast_build)
+        # FDC under eviction: FDC's kernel over the physical lengths, the plan carried out on
+        # the narrow cache by the impl.
+        metadata = _fdc_metadata(physical) if self.narrow_heads else super().build(common_prefix_len, physical,
+                                                                                   fast_build)
         if plan.page_attention is not None:
             self._schedule_pages(plan.page_attention)
         metadata.kvprune_plan = plan
@@ -125,15 +122,7 @@ class KVPruneImpl(CPUAttentionBackendImpl):
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         narrow = _fdc_layers(kv_cache)
         if narrow is not None:
-            layer_index = vllm_hooks.layer_index(layer.layer_name)
-            plan = self._plan(layer)
-            if plan is not None and plan.pre_moves is not None:
-                started = time.perf_counter()
-                narrow.copy(layer_index, kv_cache, *plan.pre_moves, _block_size(kv_cache))
-                _moved_since(started)
-            num_tokens = len(slot_mapping)
-            narrow.write(layer_index, key[:num_tokens], value[:num_tokens], kv_cache, slot_mapping,
-                         _block_size(kv_cache))
+            self._write_narrow(layer, key, value, kv_cache, slot_mapping, narrow)
             return
         plan = self._plan(layer)
         if plan is not None and plan.layer_slot_mapping is not None:
@@ -162,6 +151,40 @@ class KVPruneImpl(CPUAttentionBackendImpl):
                     self._reanchor_sinks(layer, kv_cache, plan, layout)
                 _moved_since(started)
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+
+    def _write_narrow(self, layer, key, value, kv_cache, slot_mapping, narrow) -> None:
+        """FDC's narrow heads: the plan's moves, then the new tokens reduced into their slots
+        (a block policy's own per-layer slots, each token's score taken from what is stored)."""
+        layer_index = vllm_hooks.layer_index(layer.layer_name)
+        plan = self._plan(layer)
+        if plan is not None and plan.pre_moves is not None:
+            self._copy_slots(layer, kv_cache, *plan.pre_moves)
+        scored = plan is not None and plan.layer_slot_mapping is not None
+        slots = plan.layer_slot_mapping[layer_index] if scored else slot_mapping
+        num_tokens = len(slots)
+        key, value = key[:num_tokens], value[:num_tokens]
+        real = slots >= 0  # vLLM pads a batch with slot -1
+        if not bool(real.all()):
+            key, value, slots = key[real], value[real], slots[real]
+        reduced_keys, reduced_values = narrow.write(layer_index, key, value, kv_cache, slots, _block_size(kv_cache))
+        if scored:
+            worker_state = runtime.worker_state()
+            worker_state.scores.by_slot[layer_index, slots] = worker_state.policy.token_scores(reduced_keys,
+                                                                                              reduced_values)
+
+    def _copy_slots(self, layer, kv_cache, sources: torch.Tensor, destinations: torch.Tensor) -> None:
+        """Move whole tokens between slots of this layer's cache (staged: sources read first),
+        at full width or FDC's narrow one; timed as the step's `move` phase."""
+        if len(sources) == 0:
+            return
+        started = time.perf_counter()
+        narrow = _fdc_layers(kv_cache)
+        if narrow is not None:
+            narrow.copy(vllm_hooks.layer_index(layer.layer_name), kv_cache, sources, destinations,
+                        _block_size(kv_cache))
+        else:
+            kernels.copy_slots(kv_cache, sources, destinations, _layout_of(layer, kv_cache))
+        _moved_since(started)
 
     def _write_scored(self, layer, key, value, kv_cache, plan: StepPlan) -> None:
         """Block policies: this layer's own slots, and each new token's score beside it."""
@@ -266,6 +289,10 @@ class KVPruneImpl(CPUAttentionBackendImpl):
         worker_state.score_seconds += time.perf_counter() - started
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        plan = getattr(attn_metadata, "kvprune_plan", None)
+        layer_tables = getattr(attn_metadata, "kvprune_layer_tables", None)
+        if layer_tables is not None:
+            attn_metadata = dataclasses.replace(attn_metadata, block_table=layer_tables[_layer_index(layer)])
         narrow = _fdc_layers(kv_cache)
         if narrow is not None and attn_metadata is not None:
             num_tokens = attn_metadata.num_actual_tokens
@@ -273,17 +300,8 @@ class KVPruneImpl(CPUAttentionBackendImpl):
                                      attn_metadata.block_table, attn_metadata.query_start_loc,
                                      attn_metadata.seq_lens, self.scale, _block_size(kv_cache))
             output[:num_tokens].view(num_tokens, self.num_heads, self.head_size).copy_(attended)
-            plan = getattr(attn_metadata, "kvprune_plan", None)
-            if plan is not None and plan.post_moves is not None:
-                started = time.perf_counter()
-                narrow.copy(vllm_hooks.layer_index(layer.layer_name), kv_cache, *plan.post_moves,
-                            _block_size(kv_cache))
-                _moved_since(started)
+            self._after_attention(layer, kv_cache, plan)
             return output
-        plan = getattr(attn_metadata, "kvprune_plan", None)
-        layer_tables = getattr(attn_metadata, "kvprune_layer_tables", None)
-        if layer_tables is not None:
-            attn_metadata = dataclasses.replace(attn_metadata, block_table=layer_tables[_layer_index(layer)])
         if plan is not None and plan.mass_queries is not None and plan.mass_queries.decode_only \
                 and FUSED_DECODE_MASS:
             num_tokens = len(plan.mass_queries.tokens)
@@ -298,16 +316,21 @@ class KVPruneImpl(CPUAttentionBackendImpl):
             self._vote(layer, query, kv_cache, plan)
         if plan is not None and plan.mass_queries is not None:
             self._accumulate_mass(layer, query, kv_cache, attn_metadata, plan)
-        if plan is not None and plan.post_moves is not None:
-            started = time.perf_counter()
-            kernels.copy_slots(kv_cache, *plan.post_moves, _layout_of(layer, kv_cache))
-            _moved_since(started)
-        if plan is not None and plan.prefill_compactions:
+        self._after_attention(layer, kv_cache, plan)
+        return output
+
+    def _after_attention(self, layer, kv_cache, plan: StepPlan | None) -> None:
+        """Once every query of the step has attended: the plan's moves, and the prompts that
+        this layer prunes now that they have been attended to in full."""
+        if plan is None:
+            return
+        if plan.post_moves is not None:
+            self._copy_slots(layer, kv_cache, *plan.post_moves)
+        if plan.prefill_compactions:
             if plan.head_slot_mapping is not None:
                 self._prune_prompts_per_head(layer, kv_cache, plan)
             else:
                 self._prune_prompts(layer, kv_cache, plan)
-        return output
 
     def _prune_prompts(self, layer, kv_cache, plan: StepPlan) -> None:
         """After a prompt's last chunk has attended to all of it: keep each prompt's best
@@ -316,7 +339,7 @@ class KVPruneImpl(CPUAttentionBackendImpl):
         started = time.perf_counter()
         scores = worker_state.scores
         layer_index = _layer_index(layer)
-        block_size = kv_cache.shape[2]
+        block_size = _block_size(kv_cache)
         sources, destinations = [], []
         for compaction in faults.live(plan.prefill_compactions):
             state, slots = compaction.state, compaction.prompt_slots
@@ -330,13 +353,11 @@ class KVPruneImpl(CPUAttentionBackendImpl):
         worker_state.score_seconds += time.perf_counter() - started
         if not sources:
             return
-        started = time.perf_counter()
         sources, destinations = torch.cat(sources), torch.cat(destinations)
         moved = sources != destinations
         sources, destinations = sources[moved], destinations[moved]
-        kernels.copy_slots(kv_cache, sources, destinations, _layout_of(layer, kv_cache))
+        self._copy_slots(layer, kv_cache, sources, destinations)
         scores.by_slot[layer_index, destinations] = scores.by_slot[layer_index, sources]
-        _moved_since(started)
 
     def _prune_prompts_per_head(self, layer, kv_cache, plan: StepPlan) -> None:
         """After a prompt's last chunk has attended to all of it: each KV head of this layer

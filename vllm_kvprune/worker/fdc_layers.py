@@ -75,16 +75,16 @@ class FdcLayers:
         return self.spec_head_size / self.head_dim
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-              slots: torch.Tensor, block_size: int) -> None:
-        """Reduce the new tokens' keys/values `[T, H, d]` and store them at `slots`."""
+              slots: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reduce the new tokens' keys/values `[T, H, d]` and store them at `slots`; returns the
+        reduced keys and values as stored (fp32, `[T, H, max k]`, zero past each head's rank),
+        for a policy that scores what is cached. Every slot must be a real one (>= 0)."""
         fdc_layer = self.layers[layer]
-        keep = slots >= 0  # vLLM pads a batch with slot -1
-        if not bool(keep.all()):
-            key, value, slots = key[keep], value[keep], slots[keep]
         reduced_keys = torch.einsum("thd,hdk->thk", key.float(), fdc_layer.qk_rotation)
         reduced_values = torch.einsum("thd,hdk->thk", value.float(), fdc_layer.v_rotation)
         fdc_layer.heads.write(blocks_of(kv_cache), slots, reduced_keys, reduced_values,
                               block_size=block_size)
+        return reduced_keys, reduced_values
 
     def copy(self, layer: int, kv_cache: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor,
              block_size: int) -> None:
