@@ -11,6 +11,7 @@ from typing import Sequence
 SUBCOMMAND_MODULES: tuple[str, ...] = (
     "kv_update",
     "throughput",
+    "ttft",
     "worker_memory",
     "gvote",
     "fdc_attention",

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_kvprune.bench import results_gpu
+from vllm_kvprune.bench import results_papers
 from vllm_kvprune.bench import results_sections as sections
 from vllm_kvprune.bench.accuracy import TASK_NAMES as ACCURACY_TASKS
 from vllm_kvprune.bench.accuracy import TASK_TYPES, memory, report
@@ -29,6 +30,9 @@ SPEED_FILES = {
                    ("throughput_h2o_batch32_separate", "h2o at batch 32, mass in a separate pass "
                                                        "(VLLM_KVPRUNE_FUSED_MASS=0)"),
                    ("throughput_h2o_batch32_fused_victim_kernel", "h2o at batch 32, fused mass, C++ victims"),
+                   ("throughput_h2o_vs_streaming_batch32", "h2o next to streaming at batch 32 and the same budget: "
+                                                           "what h2o's scoring adds to a step (its score share "
+                                                           "includes the fused decode attention)"),
                    ("throughput_gvote", "gvote, and h2o at gvote's memory")],
 }
 ABOUT_ACCURACY = """\
@@ -115,6 +119,11 @@ def render(results_dir: Path, page_path: Path) -> str:
         for overhead in overheads:
             documents.append((overhead.name, sections.load(overhead)))
             parts.append(sections.metrics_overhead_section(overhead, page_path.parent))
+
+    ttft = results_dir / "ttft.json"
+    if ttft.is_file():
+        documents.append((ttft.name, sections.load(ttft)))
+        parts += ["## Time to first token", results_papers.ttft_section(ttft, page_path.parent)]
 
     ray_batch = results_dir / "ray_batch.json"
     if ray_batch.is_file():
