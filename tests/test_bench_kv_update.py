@@ -92,3 +92,16 @@ def test_h2o_victims_are_distinct_per_head_and_differ_across_heads() -> None:
     b, e, h = 2, 5, 3
     position = int(victims[0][b, h, e])
     assert int(slots[0][b * 16 + e, h]) == int(block_table[b, position // 32]) * 32 + position % 32
+
+
+def test_streaming_takes_the_papers_grid(tmp_path, monkeypatch: pytest.MonkeyPatch, restore_threads) -> None:
+    """`--paper-grid` times streaming's update on EQUIP's Table 6 grid (h2o's), not its own."""
+    monkeypatch.setattr(kv_update, "H2O_QUICK_GRID", TINY_GRID)
+    out = tmp_path / "kv_update_streaming_paper.json"
+    status = bench_main.main(["kv-update", "--paper-grid", "--quick", "--threads", "1", "--cache-tokens", "256",
+                              "--block-size", "32", "--out", str(out)])
+    assert status == 0
+    document = json.loads(out.read_text())
+    assert document["settings"]["grid"] == {key: list(values) for key, values in TINY_GRID.items()}
+    assert {row["policy"] for row in document["results"]} == {"streaming"}
+    assert all(row["correct"] is True for row in document["results"])

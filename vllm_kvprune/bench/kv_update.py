@@ -59,7 +59,8 @@ TARGET_SPEEDUP = 20.0  # at batch 32, evict 64 (the EQUIP paper reports 26-50x o
 
 FULL_GRID = {"batch": (1, 8, 32), "kv_heads": (8, 32), "head_dim": (64, 128), "evict": (1, 64)}
 QUICK_GRID = {"batch": (1, 32), "kv_heads": (8, 32), "head_dim": (128,), "evict": (1, 64)}
-# H2O: the EQUIP paper's Table 6 setting (cache 1024 tokens, evict 64 per KV head).
+# The EQUIP paper's Table 6 setting (cache 1024 tokens, evict 64 per KV head): h2o's grid, and
+# streaming's with --paper-grid.
 H2O_FULL_GRID = {"batch": (1, 8, 32), "kv_heads": (64, 128), "head_dim": (64, 128), "evict": (64,)}
 H2O_QUICK_GRID = {"batch": (1, 32), "kv_heads": (64,), "head_dim": (128,), "evict": (64,)}
 H2O_STEPS = 4  # distinct precomputed victim sets, cycled (the gather indices are cache-sized)
@@ -364,7 +365,7 @@ def call_overhead_us(repeats: int = 2000) -> float | None:
 
 
 def grid_for(args: argparse.Namespace) -> dict[str, tuple[int, ...]]:
-    if args.policy == "h2o":
+    if args.policy == "h2o" or args.paper_grid:
         return H2O_QUICK_GRID if args.quick else H2O_FULL_GRID
     return QUICK_GRID if args.quick else FULL_GRID
 
@@ -458,6 +459,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--sinks", type=int, default=4, help="StreamingLLM sink tokens (streaming only)")
     parser.add_argument("--policy", choices=("streaming", "paged_eviction", "h2o"), default="streaming",
                         help="the eviction whose update step is timed (default streaming); h2o has its own grid")
+    parser.add_argument("--paper-grid", action="store_true", help="streaming on EQUIP's Table 6 grid (64/128 heads)")
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--isa", default=None,
                         help="cache layout to probe (vec, amx, ...); default: what vLLM picks on this machine")

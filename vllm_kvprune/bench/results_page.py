@@ -21,10 +21,15 @@ from vllm_kvprune.bench.accuracy import TASK_NAMES as ACCURACY_TASKS
 from vllm_kvprune.bench.accuracy import TASK_TYPES, memory, report
 
 NAME = "results"
+PAPERS_ABOUT = ("Each paper's headline figures as printed, next to ours where we have measured the same "
+                "quantity. The settings differ (their models are 1B-70B on GPUs or a Xeon SPR; ours is "
+                "SmolLM2-135M on the CPUs named), so compare directions and ratios, not absolute numbers. "
+                "The sections below hold each of our runs in full.")
 # (file stem, what it shows) of the speed results on the page, in page order.
 SPEED_FILES = {
     "kv_update": [("kv_update_streaming_2t", "streaming, 2 threads"), ("kv_update_h2o", "h2o, 2 threads"),
-                  ("kv_update_paged_eviction_2t", "paged_eviction, 2 threads")],
+                  ("kv_update_paged_eviction_2t", "paged_eviction, 2 threads"),
+                  ("kv_update_streaming_paper", "streaming on EQUIP's Table 6 grid (64/128 heads, evict 64)")],
     "throughput": [("throughput", "streaming"), ("throughput_paged", "paged_eviction"),
                    ("throughput_h2o", "h2o and streaming"),
                    ("throughput_h2o_batch32_separate", "h2o at batch 32, mass in a separate pass "
@@ -87,7 +92,8 @@ def render(results_dir: Path, page_path: Path) -> str:
             accuracy_parts.append(accuracy_section(task, document, path, page_path.parent))
     accuracy_parts.append(gvote_sweeps_section(documents, results_dir, page_path.parent))
     suite_seconds = max((d["settings"].get("run_s", 0) for _, d in documents), default=0)
-    parts = ["# Results", GENERATED.format(minutes=suite_seconds / 60), "## Accuracy", *accuracy_parts]
+    parts = ["# Results", GENERATED.format(minutes=suite_seconds / 60), "## The papers' figures and ours",
+             PAPERS_ABOUT, results_papers.papers_section(results_dir), "## Accuracy", *accuracy_parts]
 
     for kind, title in (("throughput", "## Throughput"), ("kv_update", "## KV update: in place vs shift-and-append")):
         paths = [results_dir / f"{stem}.json" for stem, _ in SPEED_FILES[kind] if (results_dir / f"{stem}.json").is_file()]

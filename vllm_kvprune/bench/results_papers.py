@@ -1,11 +1,119 @@
 """Results-page sections of the papers' own measurements (issue 16): what each paper reports,
-redone on our engine."""
+next to what our engine measured, with the setting each ran in.
+
+`PAPER_FIGURES` holds the papers' numbers as printed (their text is in `../shared/papers/`);
+ours are read from the result files when they exist, so regenerating a file updates its row,
+and a figure nobody has measured here says so."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable, Mapping
 
 from vllm_kvprune.bench import results_sections as sections
+
+NOT_MEASURED = "not measured yet"
+Ours = Callable[[Path], "tuple[str, str] | None"]  # results dir -> (our value, our setting)
+
+
+@dataclass(frozen=True)
+class PaperFigure:
+    paper: str
+    figure: str
+    theirs: str
+    their_setting: str
+    ours: Ours | None = None
+
+
+def _document(results_dir: Path, name: str) -> Mapping[str, Any] | None:
+    path = results_dir / name
+    return sections.load(path) if path.is_file() else None
+
+
+def _machine(document: Mapping[str, Any]) -> str:
+    machine = document.get("machine", {})
+    return f"{machine.get('cpu_model', '?')}, {machine.get('usable_cores', '?')} cores"
+
+
+def kv_update_speedup(name: str, batch: int, heads: int, head_dim: int) -> Ours:
+    """EQUIP Table 6: our in-place C++ update over shift-and-append (or gather-and-append)."""
+    def read(results_dir: Path) -> tuple[str, str] | None:
+        document = _document(results_dir, name)
+        for row in (document or {}).get("results", []):
+            if (row["batch"], row["kv_heads"], row["head_dim"], row["evict"], row["dtype"]) == \
+                    (batch, heads, head_dim, 64, "bfloat16") and row.get("speedup_cpp"):
+                threads = document["settings"].get("threads")
+                baseline = "gather" if row.get("baseline") == "gather" else "shift"
+                return (f"{row['speedup_cpp']:.1f}x", f"{_machine(document)}, {threads} thread(s), bf16, cache "
+                        f"{row['cache_tokens']}, our C++ op vs a torch {baseline}-and-append (`{name}`)")
+        return None
+    return read
+
+
+def throughput_ratio(name: str, policy: str, budget: int, over: str) -> Ours:
+    """Memory-bound tokens/s of `policy` at `budget` over `over` (`none`, or a policy at the same budget)."""
+    def read(results_dir: Path) -> tuple[str, str] | None:
+        document = _document(results_dir, name)
+        if document is None:
+            return None
+        rows = {(row["policy"], row["budget"]): row for row in document["results"] if row["setting"] == "memory-bound"}
+        mine, base = rows.get((policy, budget)), rows.get((over, None if over == "none" else budget))
+        if mine is None or base is None:
+            return None
+        engine, bound = document["settings"]["engine"], document["settings"]["memory_bound"]
+        return (f"{mine['tokens_per_s'] / base['tokens_per_s']:.2f}x",
+                f"SmolLM2-135M {engine['dtype']}, {bound['num_requests']} requests of {bound['prompt_tokens']} + "
+                f"{bound['gen_tokens']} tokens, a {bound['pool_blocks']}-block pool, {_machine(document)} (`{name}`)")
+    return read
+
+
+_TABLE6 = "Xeon SPR, a cache of 1024 tokens, evict 64, batch {b}, {h} heads of {d}"
+_TABLE6_ROWS = ((1, 64, 64, "11.62", "26.54"), (1, 64, 128, "27.32", "36.04"), (1, 128, 64, "19.36", "27.65"),
+                (8, 64, 64, "35.73", "47.94"), (8, 64, 128, "38.12", "46.67"), (8, 128, 64, "39.90", "45.04"),
+                (32, 64, 64, "39.75", "50.58"), (32, 64, 128, "31.43", "47.34"))
+
+PAPER_FIGURES: tuple[PaperFigure, ...] = (
+    *(PaperFigure("EQUIP", f"Table 6: KV update over StreamingLLM's, B{b} H{h} D{d}", f"{streaming}x",
+                  _TABLE6.format(b=b, h=h, d=d), kv_update_speedup("kv_update_streaming_paper.json", b, h, d))
+      for b, h, d, _, streaming in _TABLE6_ROWS),
+    *(PaperFigure("EQUIP", f"Table 6: KV update over H2O's, B{b} H{h} D{d}", f"{h2o}x",
+                  _TABLE6.format(b=b, h=h, d=d), kv_update_speedup("kv_update_h2o.json", b, h, d))
+      for b, h, d, h2o, _ in _TABLE6_ROWS),
+    PaperFigure("EQUIP", "Fig. 10: StreamingLLM in vLLM over vLLM's full cache, batch 32, 4K", "7.44x",
+                "Llama-2-7B, Xeon SPR", throughput_ratio("throughput.json", "streaming", 512, "none")),
+    PaperFigure("EQUIP", "Fig. 7a: end to end, in place over StreamingLLM's shift-and-append (geomean)", "1.62x",
+                "Llama models on Hugging Face, Xeon SPR"),
+    PaperFigure("EQUIP", "Fig. 7a: end to end, in place over H2O's gather (geomean)", "4.48x",
+                "Llama models on Hugging Face, Xeon SPR"),
+    PaperFigure("Lazy Pruning", "Table 1: TPOT, strict (R = 1) -> lazy (R = 64)", "19.57 -> 14.37 ms",
+                "Pythia-2.8B, PG19 20K tokens, cap 2048, batch 1, GPU"),
+    PaperFigure("Lazy Pruning", "Table 1: speedup over sliding-window recompute (R = 64)", "6.81x",
+                "Pythia-2.8B, PG19 20K tokens, cap 2048, batch 1, GPU"),
+    PaperFigure("Lazy Pruning", "Table 1: perplexity, R = 64 vs R = 1", "+0.68% (20.318 vs 20.181)",
+                "Pythia-2.8B, PG19 20K tokens, cap 2048"),
+    PaperFigure("PagedEviction", "Fig. 3a: tokens/s over the full cache, budget 1024", "1.37x (3020 vs 2200)",
+                "Llama-3.2-1B, vLLM, GPU", throughput_ratio("throughput_paged.json", "paged_eviction", 1024, "none")),
+    PaperFigure("PagedEviction", "Fig. 3a: tokens/s over StreamingLLM, budget 1024", "1.03x (3020 vs 2920)",
+                "Llama-3.2-1B, vLLM, GPU",
+                throughput_ratio("throughput_paged.json", "paged_eviction", 1024, "streaming")),
+    PaperFigure("PagedEviction", "Fig. 3d: time per output token vs the full cache, budget 1024", "-10 to -12%",
+                "Llama 1B/3B/8B, vLLM, GPU"),
+)
+
+
+def papers_section(results_dir: Path) -> str:
+    """One table per paper: each headline figure, theirs and ours, and where each ran."""
+    parts = []
+    for paper in dict.fromkeys(figure.paper for figure in PAPER_FIGURES):
+        rows = []
+        for figure in (f for f in PAPER_FIGURES if f.paper == paper):
+            found = figure.ours(results_dir) if figure.ours is not None else None
+            ours, setting = found if found is not None else (NOT_MEASURED, "-")
+            rows.append([figure.figure, figure.theirs, figure.their_setting, ours, setting])
+        parts += [f"### {paper}",
+                  sections.markdown_table(["figure", "theirs", "their setting", "ours", "our setting"], rows)]
+    return "\n\n".join(parts)
 
 
 def ttft_section(path: Path, doc_dir: Path) -> str:
