@@ -29,6 +29,27 @@ ENGINE_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 
+# A benchmark that runs each engine in a child process of its own: the child prints its result
+# as one line with this prefix, the parent reads the last such line.
+RESULT_PREFIX = "RESULT "
+
+
+def print_child_result(result: Any) -> None:
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+def run_child(command: Sequence[str], env: dict[str, str], what: str) -> Any:
+    """Run a child benchmark process and return what it printed with `print_child_result`;
+    RuntimeError (with the end of its stderr) if it failed or printed no result."""
+    import subprocess
+
+    done = subprocess.run(list(command), env=env, capture_output=True, text=True)
+    results = [line[len(RESULT_PREFIX):] for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    if done.returncode != 0 or not results:
+        raise RuntimeError(f"{what} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(results[-1])
+
+
 def engine_scheduler(llm: Any) -> Any:
     """The scheduler of an in-process engine (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, ENGINE_ENV)."""
     return llm.llm_engine.engine_core.engine_core.scheduler

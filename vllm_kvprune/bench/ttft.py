@@ -17,10 +17,8 @@ kept tokens into head-pages; `fdc` runs its own kernel over the narrowed heads.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -62,21 +60,19 @@ def run(args: argparse.Namespace) -> int:
     if "fdc" in args.policies and not args.fdc:
         raise SystemExit("ttft: --policies fdc needs --fdc FILE (vllm-kvprune calibrate fdc MODEL --out FILE)")
     if args.child is not None:
-        print("RESULT " + json.dumps(measure(args, args.child)))
+        common.print_child_result(measure(args, args.child))
         return 0
     started = time.time()
     rows: list[dict[str, Any]] = []
     for policy in args.policies:
         print(f"[ttft] {policy} ...", flush=True)
         command = [sys.executable, "-m", "vllm_kvprune.bench", "ttft", "--child", policy, *child_flags(args)]
-        finished = subprocess.run(command, env={**os.environ, **common.ENGINE_ENV}, capture_output=True, text=True)
-        results = [line for line in finished.stdout.splitlines() if line.startswith("RESULT ")]
-        if finished.returncode != 0 or not results:
-            sys.stderr.write(finished.stdout[-3000:] + finished.stderr[-5000:])
-            raise SystemExit(f"ttft: the {policy} run failed (exit {finished.returncode})")
-        rows += json.loads(results[-1].removeprefix("RESULT "))
+        try:
+            rows += common.run_child(command, {**os.environ, **common.ENGINE_ENV}, f"the {policy} run")
+        except RuntimeError as error:
+            raise SystemExit(f"ttft: {error}") from None
     add_ratios(rows)
-    print_rows(rows)
+    common.print_table(*table(rows))
     settings = {"policies": args.policies, "prompt_tokens": args.prompt_tokens, "budget": args.budget,
                 "repeats": args.repeats, "model": "tiny" if args.tiny else "smollm2-135m-instruct",
                 "dtype": args.dtype, "enforce_eager": args.enforce_eager, "run_s": round(time.time() - started, 1)}
@@ -149,10 +145,6 @@ def table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
              f"{row['ttft_ms']:.0f}", "-" if row.get("vs_none") is None else f"{row['vs_none']:.2f}x"]
             for row in rows]
     return headers, body
-
-
-def print_rows(rows: list[dict[str, Any]]) -> None:
-    common.print_table(*table(rows))
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -53,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.child is not None:
-        print("RESULT " + json.dumps(measure(args.child, args.requests, args.prompt_tokens, args.gen_tokens)))
+        common.print_child_result(measure(args.child, args.requests, args.prompt_tokens, args.gen_tokens))
         return 0
     rows = []
     for policy in args.policies:
@@ -71,11 +70,7 @@ def _run_child(policy: str, args: argparse.Namespace) -> dict[str, Any]:
         env["PYTHONPATH"] = f"{args.code}{os.pathsep}{env.get('PYTHONPATH', '')}"
     command = [sys.executable, __file__, "--child", policy, "--requests", str(args.requests),
                "--prompt-tokens", str(args.prompt_tokens), "--gen-tokens", str(args.gen_tokens)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
-    results = [line[len("RESULT "):] for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode != 0 or not results:
-        raise RuntimeError(f"{policy} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(results[-1])
+    return common.run_child(command, env, policy)
 
 
 # ---- one policy, in its own process ---------------------------------------------------------
