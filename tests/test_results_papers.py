@@ -33,3 +33,34 @@ def test_ours_is_read_from_the_result_files(tmp_path) -> None:
     assert f"| {rates[('paged_eviction', 1024)] / rates[('streaming', 1024)]:.2f}x |" in line
     # Files this test did not copy stay unmeasured.
     assert results_papers.NOT_MEASURED in next(l for l in page.splitlines() if "Fig. 10" in l)
+
+
+def test_lazy_pruning_rows_come_from_r1_and_r64(tmp_path) -> None:
+    """Its two halves run apart (TPOT, perplexity), each in its own file: the rows meet by setting."""
+    from vllm_kvprune.bench import common, lazy_pruning
+
+    def tpot(method, r, ms):
+        return {"method": method, "R": r, "positions": None if r is None else "cache",
+                "tpot": {"1": {"ms": ms, "steps": 10, "prune_events": None, "move_ms_per_step": None}}}
+
+    def stream(r, perplexity):
+        return {"method": "streaming", "R": r, "positions": "cache", "perplexity": perplexity, "scored_tokens": 20480}
+
+    halves = {"lazy_pruning_tpot.json": [tpot("streaming", 1, 20.0), tpot("streaming", 64, 15.0),
+                                         tpot(lazy_pruning.RECOMPUTE, None, 100.0)],
+              "lazy_pruning_ppl.json": [stream(1, 20.0), stream(64, 20.2)]}
+    for name, rows in halves.items():  # as the bench writes them: with the ratios its rows allow
+        lazy_pruning.add_ratios(rows)
+        common.write_json(tmp_path / name, "lazy_pruning", {"model": "m", "dtype": "float32", "budget": 2048}, rows)
+    page = results_papers.papers_section(tmp_path)
+    line = {figure: next(l for l in page.splitlines() if figure in l)
+            for figure in ("strict (R = 1) -> lazy", "sliding-window recompute", "perplexity, R = 64")}
+    assert "| 20.00 -> 15.00 ms |" in line["strict (R = 1) -> lazy"] and "lazy_pruning_tpot.json" in line[
+        "strict (R = 1) -> lazy"]
+    assert "| 6.67x |" in line["sliding-window recompute"]
+    assert "| +1.00% (20.200 vs 20.000) |" in line["perplexity, R = 64"] and "20480 tokens" in line[
+        "perplexity, R = 64"] and "lazy_pruning_ppl.json" in line["perplexity, R = 64"]
+    rows = halves["lazy_pruning_tpot.json"]
+    section = results_papers.lazy_pruning_section(tmp_path / "lazy_pruning_tpot.json", tmp_path)
+    for body in lazy_pruning.table(rows)[1]:
+        assert "| " + " | ".join(body) + " |" in section

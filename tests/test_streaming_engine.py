@@ -198,6 +198,20 @@ class TestSharedEngine:
             assert together.outputs[0].token_ids == alone.outputs[0].token_ids
         assert len({tuple(o.outputs[0].token_ids) for o in batch}) == len(budgets)
 
+    def test_mixed_prune_intervals_match_the_reference(self, streaming_llm, reference_model):
+        """`kv_prune_interval` per request: requests of one batch at R = 1, 8 and 32 each get what
+        the reference gives at its own R (its cap, its prune steps)."""
+        from vllm_kvprune.reference.streaming import StreamingLLMReference
+
+        intervals = [1, 8, 32]
+        prompt_ids = prompts((90, 130, 40), seed=6)
+        batch = streaming_llm.generate([{"prompt_token_ids": p} for p in prompt_ids],
+                                       [greedy(150, kv_prune_interval=r) for r in intervals], use_tqdm=False)
+        for prompt, r, output in zip(prompt_ids, intervals, batch):
+            reference = StreamingLLMReference(reference_model, budget=BUDGET, sinks=SINKS, prune_interval=r)
+            assert_same_as(reference, [output], [prompt], 150)
+        assert all_blocks_free(streaming_llm)
+
     def test_bad_request_override_raises_and_engine_goes_on(self, streaming_llm):
         from vllm.exceptions import VLLMValidationError
 

@@ -43,7 +43,7 @@ FDC_REFUSALS = {
 }
 # Per-request override keys (SamplingParams.extra_args / OpenAI vllm_xargs) -> config field.
 REQUEST_KEYS = {"kv_budget": "budget", "kv_sinks": "sinks", "kv_window": "window", "kv_recent": "recent",
-                "kv_gvote_p": "gvote_p", "kv_gvote_samples": "gvote_samples"}
+                "kv_prune_interval": "prune_interval", "kv_gvote_p": "gvote_p", "kv_gvote_samples": "gvote_samples"}
 # A request that sets it gets its KV statistics back when it finishes, in its output's
 # `kv_transfer_params["kvprune"]` (`KVPruneScheduler.kv_report`); not a policy setting.
 REPORT_KEY = "kv_report"

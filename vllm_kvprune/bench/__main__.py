@@ -12,6 +12,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "kv_update",
     "throughput",
     "ttft",
+    "lazy_pruning",
     "worker_memory",
     "gvote",
     "fdc_attention",

@@ -176,14 +176,15 @@ def write_json(path: Path, benchmark: str, settings: dict[str, Any], results: li
     path.write_text(json.dumps(document, indent=1))
 
 
-def new_figure(width: float, height: float):
-    """A matplotlib figure on the Agg backend (no display on servers and CI)."""
+def new_figure(width: float, height: float, columns: int = 1):
+    """A matplotlib figure on the Agg backend (no display on servers and CI), and its axes
+    (a tuple of `columns` side by side when there are several)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    return plt.subplots(figsize=(width, height))
+    return plt.subplots(1, columns, figsize=(width, height))
 
 
 def save_figure(figure, path: Path) -> None:

@@ -131,6 +131,13 @@ def render(results_dir: Path, page_path: Path) -> str:
         documents.append((ttft.name, sections.load(ttft)))
         parts += ["## Time to first token", results_papers.ttft_section(ttft, page_path.parent)]
 
+    lazy_runs = sorted(results_dir.glob("lazy_pruning*.json"))
+    if lazy_runs:
+        parts.append("## Lazy Pruning: the prune interval R")
+        for lazy in lazy_runs:
+            documents.append((lazy.name, sections.load(lazy)))
+            parts.append(results_papers.lazy_pruning_section(lazy, page_path.parent))
+
     ray_batch = results_dir / "ray_batch.json"
     if ray_batch.is_file():
         documents.append((ray_batch.name, sections.load(ray_batch)))

@@ -68,6 +68,42 @@ def throughput_ratio(name: str, policy: str, budget: int, over: str) -> Ours:
     return read
 
 
+def lazy_pruning(what: str) -> Ours:
+    """Lazy Pruning Table 1 from `bench lazy-pruning`'s files (`lazy_pruning*.json`: one run, or
+    its TPOT and perplexity halves run apart): `tpot` (R = 1 -> R = 64 at batch 1), `speedup`
+    (R = 64 over the recompute baseline), `ppl` (R = 64 against R = 1)."""
+    def read(results_dir: Path) -> tuple[str, str] | None:
+        from vllm_kvprune.bench import lazy_pruning as bench
+
+        documents = [(path.name, sections.load(path)) for path in sorted(results_dir.glob("lazy_pruning*.json"))]
+        rows = bench.merge([row for _, document in documents for row in document["results"]])
+        bench.add_ratios(rows)
+        found = {row["R"]: row for row in rows if row["method"] == "streaming" and row["positions"] == "cache"}
+        strict, lazy = found.get(1), found.get(64)
+        if strict is None or lazy is None:
+            return None
+
+        def setting(measure: str, has: str) -> str:
+            name, document = next((name, document) for name, document in documents
+                                  if any(has in row and row[has] for row in document["results"]))
+            settings = document["settings"]
+            return (f"{settings.get('model')} {settings.get('dtype')}, cap {settings.get('budget')}, {measure}, "
+                    f"{_machine(document)} (`{name}`)")
+
+        if what == "ppl":
+            if not (strict.get("perplexity") and lazy.get("perplexity")):
+                return None
+            return (f"{100 * (lazy['ppl_vs_r1'] - 1):+.2f}% ({lazy['perplexity']:.3f} vs {strict['perplexity']:.3f})",
+                    setting(f"essays, {strict['scored_tokens']} tokens", "perplexity"))
+        strict_ms, lazy_entry = strict["tpot"].get("1", {}).get("ms"), lazy["tpot"].get("1", {})
+        if what == "tpot" and strict_ms and lazy_entry.get("ms"):
+            return f"{strict_ms:.2f} -> {lazy_entry['ms']:.2f} ms", setting("batch 1", "tpot")
+        if what == "speedup" and lazy_entry.get("speedup_vs_recompute"):
+            return f"{lazy_entry['speedup_vs_recompute']:.2f}x", setting("batch 1", "tpot")
+        return None
+    return read
+
+
 _TABLE6 = "Xeon SPR, a cache of 1024 tokens, evict 64, batch {b}, {h} heads of {d}"
 _TABLE6_ROWS = ((1, 64, 64, "11.62", "26.54"), (1, 64, 128, "27.32", "36.04"), (1, 128, 64, "19.36", "27.65"),
                 (8, 64, 64, "35.73", "47.94"), (8, 64, 128, "38.12", "46.67"), (8, 128, 64, "39.90", "45.04"),
@@ -87,11 +123,11 @@ PAPER_FIGURES: tuple[PaperFigure, ...] = (
     PaperFigure("EQUIP", "Fig. 7a: end to end, in place over H2O's gather (geomean)", "4.48x",
                 "Llama models on Hugging Face, Xeon SPR"),
     PaperFigure("Lazy Pruning", "Table 1: TPOT, strict (R = 1) -> lazy (R = 64)", "19.57 -> 14.37 ms",
-                "Pythia-2.8B, PG19 20K tokens, cap 2048, batch 1, GPU"),
+                "Pythia-2.8B, PG19 20K tokens, cap 2048, batch 1, GPU", lazy_pruning("tpot")),
     PaperFigure("Lazy Pruning", "Table 1: speedup over sliding-window recompute (R = 64)", "6.81x",
-                "Pythia-2.8B, PG19 20K tokens, cap 2048, batch 1, GPU"),
+                "Pythia-2.8B, PG19 20K tokens, cap 2048, batch 1, GPU", lazy_pruning("speedup")),
     PaperFigure("Lazy Pruning", "Table 1: perplexity, R = 64 vs R = 1", "+0.68% (20.318 vs 20.181)",
-                "Pythia-2.8B, PG19 20K tokens, cap 2048"),
+                "Pythia-2.8B, PG19 20K tokens, cap 2048", lazy_pruning("ppl")),
     PaperFigure("PagedEviction", "Fig. 3a: tokens/s over the full cache, budget 1024", "1.37x (3020 vs 2200)",
                 "Llama-3.2-1B, vLLM, GPU", throughput_ratio("throughput_paged.json", "paged_eviction", 1024, "none")),
     PaperFigure("PagedEviction", "Fig. 3a: tokens/s over StreamingLLM, budget 1024", "1.03x (3020 vs 2920)",
@@ -128,3 +164,22 @@ def ttft_section(path: Path, doc_dir: Path) -> str:
              "prompt is attended in full, then pruned).")
     return sections.file_section("Time to first token (`ttft.json`)", document, setup,
                                  sections.markdown_table(*ttft.table(document.get("results", []))), [], path, doc_dir)
+
+
+def lazy_pruning_section(path: Path, doc_dir: Path) -> str:
+    """`bench lazy-pruning`: every R (and the baselines) with TPOT, perplexity, prune events, moves."""
+    from vllm_kvprune.bench import lazy_pruning as bench
+
+    document = sections.load(path)
+    settings = document.get("settings", {})
+    setup = (f"{settings.get('model')} {settings.get('dtype')}, `streaming` with `positions: cache`, cap "
+             f"{settings.get('budget')} (sinks {settings.get('sinks')}); perplexity over a teacher-forced essay stream "
+             f"of {settings.get('stream_tokens')} tokens (one request per R, in one batch; `-`: not in this run); "
+             f"TPOT: one engine, R set per request, the R values taking turns {settings.get('repeats')} times "
+             f"(the median run shown); a run's TPOT is its mean decode step over {settings.get('tpot_tokens')} "
+             f"steps, prune steps included, prompts of {settings.get('budget')} tokens. "
+             f"Recompute: every output token a fresh request on the last {settings.get('budget')} tokens, its "
+             f"perplexity from windows of {settings.get('budget')} tokens scoring their last "
+             f"{settings.get('recompute_stride')}. Prune events and move time: the worker's own counters.")
+    return sections.file_section(f"Lazy Pruning (`{path.name}`)", document, setup,
+                                 sections.markdown_table(*bench.table(document.get("results", []))), [], path, doc_dir)
