@@ -1,7 +1,7 @@
 """`bench lazy-pruning` on the tiny model, each case's engine in this process: the prune events
-and the cache's peak follow each request's R (`kv_prune_interval`), the two perplexity paths (teacher-forced decode steps, strided
-prompt windows) agree where they must compute the same thing, and every stream token is
-scored once; then the parent's ratios and table."""
+and the cache's peak follow each request's R (`kv_prune_interval`), the two perplexity paths
+(teacher-forced decode steps, strided prompt windows) agree where they must compute the same
+thing, and every stream token is scored once; then the parent's ratios and table."""
 
 from __future__ import annotations
 

@@ -135,9 +135,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def child_flags(args: argparse.Namespace) -> list[str]:
-    flags = ["--budget", str(args.budget), "--sinks", str(args.sinks), "--tpot-tokens", str(args.tpot_tokens), "--repeats", str(args.repeats),
-             "--stream-tokens", str(args.stream_tokens), "--recompute-tokens", str(args.recompute_tokens),
-             "--recompute-stride", str(args.recompute_stride), "--dtype", args.dtype, "--pool-gib", str(args.pool_gib)]
+    flags = ["--budget", str(args.budget), "--sinks", str(args.sinks), "--tpot-tokens", str(args.tpot_tokens),
+             "--repeats", str(args.repeats), "--stream-tokens", str(args.stream_tokens),
+             "--recompute-tokens", str(args.recompute_tokens), "--recompute-stride", str(args.recompute_stride),
+             "--dtype", args.dtype, "--pool-gib", str(args.pool_gib)]
     return flags + ["--tiny"] * args.tiny
 
 
@@ -168,14 +169,15 @@ def measure(args: argparse.Namespace, case: dict[str, Any]) -> list[dict[str, An
     kind, stream = case["kind"], args.stream_tokens
     tokens = essay_tokens(model, args.tiny, max(stream + 1, args.budget * (max(case.get("batches", [1])) + 1)))
     options: dict[str, Any] = dict(model=model, dtype=args.dtype, block_size=BLOCK_SIZE, enforce_eager=True,
-                                   enable_prefix_caching=False, seed=0, kv_cache_memory_bytes=int(args.pool_gib * 2**30),
-                                   logits_processors=[ForcedTokens])
+                                   enable_prefix_caching=False, seed=0, logits_processors=[ForcedTokens],
+                                   kv_cache_memory_bytes=int(args.pool_gib * 2**30))
     if kind == RECOMPUTE:
         options.update(max_model_len=args.budget + BLOCK_SIZE, max_num_seqs=1)
     else:
         positions = case.get("positions", "cache")
         longest = stream + 1 if kind == "stream" else args.budget + args.tpot_tokens + 2048  # decodes during prefills
-        options.update(max_model_len=longest, max_num_seqs=max(case["batches"] if kind == "tpot" else case["intervals"]),
+        options.update(max_model_len=longest,
+                       max_num_seqs=max(case["batches"] if kind == "tpot" else case["intervals"]),
                        additional_config={"kv_policy": {"name": "streaming", "budget": args.budget, "sinks": args.sinks,
                                                         "positions": positions}})
         if positions == "original":  # RoPE's table up to the stream's last position
@@ -378,7 +380,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     left.set_xscale("log", base=2)
     left.set_xlabel("prune interval R")
     left.set_ylabel("time per output token, ms")
-    left.legend()
+    if left.lines:
+        left.legend()
     for row in rows:
         if row.get("nll_by_1024"):
             right.plot([1024 * (i + 1) for i in range(len(row["nll_by_1024"]))],
@@ -386,5 +389,6 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     right.set_xlabel("stream position (tokens)")
     right.set_ylabel("perplexity per 1024 tokens")
     right.set_yscale("log")
-    right.legend(fontsize=7)
+    if right.lines:
+        right.legend(fontsize=7)
     common.save_figure(figure, path)
