@@ -16,11 +16,12 @@ process of its own, in-process, so the worker's counters can be read):
 - perplexity: one engine, one request per R (`kv_prune_interval`), all in one batch, each fed
   `--stream-tokens` essay tokens teacher-forced one per decode step through its bounded cache
   (the accuracy suite's `forced.py`), far past the model's 8192-token context; `max_model_len`
-  is raised past it (`VLLM_ALLOW_LONG_MAX_MODEL_LEN`), safe because cache positions never pass
-  budget + R. Prune events: steps after which a request holds fewer tokens than before plus
-  the new one.
-`--original` adds a stream at R = 1 with `positions: original`, the model's RoPE table grown to
-the stream (`hf_overrides`): StreamingLLM's point that positions must stay inside the trained
+  is raised past it (`VLLM_ALLOW_LONG_MAX_MODEL_LEN`) and so is RoPE's table (`hf_overrides`):
+  our `positions: cache` re-anchors the sinks next to the window, so their rotation angles
+  follow the stream (the attention sees StreamingLLM's in-cache distances, but the table is
+  indexed by absolute angles; past it the engine stops with an IndexError). Prune events:
+  steps after which a request holds fewer tokens than before plus the new one.
+`--original` adds a stream at R = 1 with `positions: original`: StreamingLLM's point that positions must stay inside the trained
 context. The baseline (`recompute`, policy `none`): each output token is a fresh one-token
 request on the last `budget` tokens (the paper's sliding window without a KV cache), timed over
 `--recompute-tokens` tokens; its perplexity is the strided sliding window (`prompt_logprobs` of
@@ -180,7 +181,13 @@ def measure(args: argparse.Namespace, case: dict[str, Any]) -> list[dict[str, An
                        max_num_seqs=max(case["batches"] if kind == "tpot" else case["intervals"]),
                        additional_config={"kv_policy": {"name": "streaming", "budget": args.budget, "sinks": args.sinks,
                                                         "positions": positions}})
-        if positions == "original":  # RoPE's table up to the stream's last position
+        # RoPE's table up to the stream's last position, in both modes: with `positions: cache`
+        # the keys keep their rotations and the sinks are re-anchored next to the window, so the
+        # sinks' rotation angles grow with the stream too (attention sees only the differences).
+        from transformers import AutoConfig
+
+        own = AutoConfig.from_pretrained(model).max_position_embeddings
+        if longest > own:
             options["hf_overrides"] = {"max_position_embeddings": longest}
     llm = LLM(**options)
     try:
