@@ -61,6 +61,33 @@ def test_rotation_moves_a_cached_key_forward(name: str) -> None:
     assert not torch.allclose(moved[1:], at(positions)[1:], atol=1e-2)
 
 
+@pytest.mark.parametrize("name", ["neox", "gptj-partial"])
+def test_rotation_past_the_table(name: str) -> None:
+    """A stream longer than the model's positions re-anchors sinks past RoPE's table: the shift
+    is applied in parts, and equals the rotation a table long enough gives."""
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    from vllm_kvprune import vllm_hooks
+
+    settings = ROPES[name]
+
+    def build(max_position: int):
+        return get_rope(settings["head_size"], max_position=max_position, is_neox_style=settings["is_neox_style"],
+                        rope_parameters=settings["rope_parameters"], dtype=torch.float32)
+
+    short, long = build(256), build(4096)
+    heads, head_size = 2, settings["head_size"]
+    keys = torch.randn(4, heads * head_size, generator=torch.Generator().manual_seed(1))
+    positions, shifts = torch.tensor([0, 3, 10, 200]), torch.tensor([255, 256, 700, 3000])
+
+    def at(rope, where: torch.Tensor) -> torch.Tensor:
+        _, rotated = rope.forward_native(where, torch.zeros_like(keys), keys.clone())
+        return rotated.view(-1, heads, head_size)
+
+    moved = vllm_hooks.rope_rotation(short)(at(short, positions), shifts)
+    torch.testing.assert_close(moved, at(long, positions + shifts), rtol=1e-4, atol=5e-4)
+
+
 def test_a_rope_that_is_not_a_plain_rotation_is_refused() -> None:
     from vllm.model_executor.layers.rotary_embedding import get_rope
 

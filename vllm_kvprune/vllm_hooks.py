@@ -624,11 +624,20 @@ def rope_rotation(rope: Any) -> Callable[[Any, Any], Any] | None:
         # key from position j to j + shift is the pure rotation R(shift).
         table = torch.cat([cos / magnitude, sin / magnitude], dim=-1)
 
+    longest = table.shape[0] - 1
+
     def rotate(keys, shifts):
-        flat = keys.float().reshape(keys.shape[0], -1)
-        rotated, _ = RotaryEmbedding.forward_static(shifts.to(torch.int64), flat, None, rope.head_size,
-                                                    rope.rotary_dim, table, rope.is_neox_style)
-        return rotated.view_as(keys).to(keys.dtype)
+        flat, shifts = keys.float().reshape(keys.shape[0], -1), shifts.to(torch.int64)
+        # A shift past the table (a stream longer than the model's positions: `positions: cache`
+        # re-anchors sinks next to the window) is applied in parts within it; every RoPE here
+        # has angles linear in the position, so rotations compose. Within the table: one part.
+        while True:
+            part = shifts.clamp(max=longest)
+            flat, _ = RotaryEmbedding.forward_static(part, flat, None, rope.head_size, rope.rotary_dim, table,
+                                                     rope.is_neox_style)
+            shifts = shifts - part
+            if not bool((shifts > 0).any()):
+                return flat.view_as(keys).to(keys.dtype)
 
     return rotate
 
