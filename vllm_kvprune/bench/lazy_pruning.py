@@ -78,9 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # ---- the parent: one child per engine ------------------------------------------------
 def cases(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One engine each: the TPOT runs of each R (the engine's R), the perplexity streams of
-    every R in one batch (`kv_prune_interval` per request), the stream with original positions,
-    the recompute baseline."""
+    """One engine each: the TPOT runs of every R (taking turns, `kv_prune_interval` per
+    request), the perplexity streams of every R in one batch, the stream with original
+    positions, the recompute baseline."""
     stream = args.stream_tokens
     out: list[dict[str, Any]] = [{"kind": "tpot", "intervals": args.intervals, "batches": args.batches}] \
         if args.batches else []
@@ -209,6 +209,7 @@ def forced_streams(llm: Any, tokens: list[int], intervals: list[int]) -> list[di
     from tqdm import tqdm
 
     from vllm_kvprune.bench.accuracy.forced import FORCED_KEY
+    from vllm_kvprune.bench.accuracy.ours import answer_of
 
     forced = tokens[1:]
     engine, kv_state = llm.llm_engine, common.model_runner(llm).kv_state
@@ -236,10 +237,10 @@ def forced_streams(llm: Any, tokens: list[int], intervals: list[int]) -> list[di
     seconds = time.perf_counter() - began
     found = []
     for name, request_id in zip(names, ids):
-        completion = outputs[name].outputs[0]
-        if list(completion.token_ids) != forced:
+        answer = answer_of(outputs[name])
+        if answer.token_ids != forced:
             raise RuntimeError(f"{request_id}: the engine did not follow the forced tokens")
-        nll = [-step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
+        nll = [-logprob for logprob in answer.logprobs]
         found.append({"perplexity": math.exp(sum(nll) / len(nll)), "scored_tokens": len(nll),
                       "nll_by_1024": [sum(nll[i:i + 1024]) / len(nll[i:i + 1024]) for i in range(0, len(nll), 1024)],
                       "prune_events": events[request_id], "peak_kept": peak[request_id],
