@@ -1,6 +1,7 @@
-"""`python -m vllm_kvprune.bench accuracy` and `results` end to end on a small grid (real model,
-real engines, kvpress in its venv), checked against what can be computed without them. One
-budgeted policy (streaming) and the budget-free one (gvote): the others go through the same
+"""`python -m vllm_kvprune.bench accuracy` and `results` end to end on a small grid, checked
+against what can be computed without them: real engines and kvpress in its venv, on the tiny
+random Llama (`--tiny`: the real model's pipeline at a fraction of its cost; its scores mean
+nothing). One budgeted policy (streaming) and the budget-free one (gvote): the others go through the same
 code (h2o against kvpress: test_kvpress_agreement)."""
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def small_run(tmp_path_factory, kvpress_venv):
     command = [sys.executable, "-m", "vllm_kvprune.bench", "accuracy", "--policies", "streaming", "gvote",
                "--gvote-p", "0.95", "--gvote-samples", "8", "--budgets", "128", "--ppl-segments", "1", "--ppl-tokens", str(PPL_TOKENS),
                "--needle-contexts", "1024", "--needle-depths", "0", "100", "--needle-budgets", "256",
-               "--kv-cases", "2", "--arith-cases", "2", "--kvpress-cases", "1", "--out-dir", str(out),
+               "--kv-cases", "2", "--arith-cases", "2", "--kvpress-cases", "1", "--out-dir", str(out), "--tiny",
                # float32 and eager: bf16 matmuls are emulated, and slow, on CPUs without bf16
                # instructions, and compiling each engine costs minutes there
                "--dtype", "float32", "--enforce-eager"]
@@ -60,7 +61,9 @@ def test_kv_memory_is_read_from_the_block_pool(small_run):
     """Every answer's `kv_blocks` (mean blocks held while answering): exactly the cap for a
     budgeted policy whose prompt passed it, the prompt and answer's blocks under `none`, and
     for `gvote` what its kept lengths need, never more than `none` (one block of decode
-    lookahead aside) and at least the per-layer mean."""
+    lookahead aside) and at least the per-layer mean. (How much the vote gives back is the real
+    model's to show, on the results page; the blocks it holds for its kept lengths are
+    test_gvote_engine's.)"""
     for task, budget in (("needle", 256), ("kv_retrieval", 128), ("arithmetic", 128)):
         cap = math.ceil((budget + 1) / 32)  # prune interval 1
         records = [r for r in load(small_run, task)["results"] if r["system"] == "vllm-kvprune"]
@@ -78,8 +81,6 @@ def test_kv_memory_is_read_from_the_block_pool(small_run):
         for record in voted:
             full = none[record["case_id"]]["kv_blocks"]
             assert record["kv_blocks_per_layer"] <= record["kv_blocks"] <= full + 1, (task, record["case_id"])
-        if task == "needle":  # 1K-token prompts: the vote gives back a part of every layer on average
-            assert all(r["kv_blocks_per_layer"] < none[r["case_id"]]["kv_blocks"] for r in voted)
         assert (small_run / f"accuracy_{task}_memory.png").stat().st_size > 0
     assert not any(r["method"] == "gvote" for r in load(small_run, "perplexity")["results"])
     assert (small_run / "accuracy_gvote_sweeps.png").stat().st_size > 0
@@ -98,11 +99,11 @@ def test_full_cache_perplexity_matches_hugging_face(small_run):
     start, tokens = full["facts"]["start"], full["facts"]["tokens"]
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(assets.real_model_dir()))
+    tokenizer = AutoTokenizer.from_pretrained(str(assets.tiny_model_dir()))
     from vllm_kvprune.bench.accuracy.task import essay_token_ids
 
     ids = torch.tensor([essay_token_ids(tokenizer)[start:start + tokens]])
-    model = AutoModelForCausalLM.from_pretrained(str(assets.real_model_dir()), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(assets.tiny_model_dir()), dtype=torch.float32).eval()
     with torch.inference_mode():
         logprobs = torch.log_softmax(model(ids).logits[0, :-1].float(), dim=-1)
     reference = -logprobs.gather(1, ids[0, 1:, None]).sum().item()
@@ -131,6 +132,7 @@ def test_results_page_renders_every_table(small_run, tmp_path):
         table = load(small_run, task)["table"]
         assert "| " + " | ".join(table["rows"][0]) + " |" in page
     assert "## Throughput" in page and "## KV update" in page and "kvpress 0.5.5" in page
+    assert page.count("A smoke run on the tiny random model") == len(results_page.ACCURACY_TASKS)
     from vllm_kvprune.bench.accuracy import memory
     from vllm_kvprune.bench.accuracy.needle import Needle
 

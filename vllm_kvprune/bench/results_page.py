@@ -179,6 +179,8 @@ def accuracy_section(name: str, document: dict[str, Any], path: Path, doc_dir: P
              f"Command: `{sections.shown_command(sections.lookup(document, 'machine', 'command', default=None))}`"
              f" (seed {settings.get('seed', '-')})",
              sections.markdown_table(*report.budget_table(task, records, budgets))]
+    if settings.get("model") == "tiny":  # `--tiny`: a smoke run, never a result
+        parts.insert(1, "**A smoke run on the tiny random model (`--tiny`): its scores mean nothing.**")
     if any(r["system"] == report.KVPRESS for r in records):
         if settings.get("reuse_kvpress"):
             parts.append("kvpress's answers and times come from the previous run on the same cases "

@@ -36,7 +36,7 @@ TASK_NAMES = tuple(TASK_TYPES)
 POLICIES = ("streaming", "h2o", "paged_eviction", "gvote")
 # Settings that decide which cases a task builds and how kvpress ran them: an earlier run's
 # kvpress records are reused only where all of these match.
-KVPRESS_REUSE_KEYS = ("seed", "sinks", "dtype", "ppl_segments", "ppl_tokens", "needle_contexts", "needle_depths",
+KVPRESS_REUSE_KEYS = ("tiny", "seed", "sinks", "dtype", "ppl_segments", "ppl_tokens", "needle_contexts", "needle_depths",
                       "kv_cases", "arith_cases", "kvpress_max_prompt", "kvpress_cases")
 
 
@@ -90,6 +90,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="kvpress runs the first N cases of each task (its decoding is slow)")
     parser.add_argument("--kvpress-threads", type=int, default=2)
     parser.add_argument("--kvpress-timeout", type=float, default=1800, help="seconds per kvpress job")
+    parser.add_argument("--tiny", action="store_true",
+                        help="the tiny random Llama instead of SmolLM2 (SmolLM2's tokenizer; a smoke run of the "
+                             "whole pipeline, its scores mean nothing)")
     parser.add_argument("--out-dir", default="results")
     parser.set_defaults(run=run)
 
@@ -110,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     from vllm_kvprune import assets
     from vllm_kvprune.bench.accuracy import kvpress_side, ours
 
-    model = str(assets.real_model_dir())
+    model = str(assets.tiny_model_dir() if args.tiny else assets.real_model_dir())
     tokenizer = AutoTokenizer.from_pretrained(model)
     tasks = build_tasks(args)
     work: list[tuple[Task, list[Case]]] = [(t, t.build(tokenizer, random.Random(f"{args.seed}-{t.name}"))) for t in tasks]
@@ -152,7 +155,7 @@ def write_reports(args: argparse.Namespace, tasks: list[Task], records: list[dic
         "tasks", "policies", "budgets", "sinks", "seed", "ppl_segments", "ppl_tokens", "needle_contexts",
         "needle_depths", "needle_budgets", "kv_cases", "arith_cases", "kvpress", "kvpress_max_prompt", "kvpress_cases",
         "kvpress_threads", "dtype", "gvote_p", "gvote_samples", "reuse_kvpress")}
-    settings.update(model="SmolLM2-135M-Instruct", engine=dict(ENGINE_OPTIONS, dtype=args.dtype,
+    settings.update(model="tiny" if args.tiny else "SmolLM2-135M-Instruct", engine=dict(ENGINE_OPTIONS, dtype=args.dtype,
                                                                 enforce_eager=args.enforce_eager), run_s=run_seconds,
                     press_of_policy=pairs)
     found_by_task = {}
