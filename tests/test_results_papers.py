@@ -64,3 +64,22 @@ def test_lazy_pruning_rows_come_from_r1_and_r64(tmp_path) -> None:
     section = results_papers.lazy_pruning_section(tmp_path / "lazy_pruning_tpot.json", tmp_path)
     for body in lazy_pruning.table(rows)[1]:
         assert "| " + " | ".join(body) + " |" in section
+
+
+def test_fig_3d_rows_come_from_the_tpot_file(tmp_path) -> None:
+    from vllm_kvprune.bench import common, tpot
+
+    rows = [{"policy": policy, "ms": ms, "rounds_ms": [ms, ms + 1], "steps": 128}
+            for policy, ms in (("none", 100.0), ("streaming", 80.0), ("paged_eviction", 78.0))]
+    tpot.add_ratios(rows)
+    settings = {"model": "m", "dtype": "float32", "batch": 8, "prompt_tokens": 4096, "budget": 1024}
+    common.write_json(tmp_path / "tpot.json", "tpot", settings, rows)
+    page = results_papers.papers_section(tmp_path)
+    line = {over: next(l for l in page.splitlines() if f"Fig. 3d: time per output token vs {over}" in l)
+            for over in ("the full cache", "StreamingLLM")}
+    assert "| -22.0% (78.0 vs 100.0 ms) |" in line["the full cache"] and "4096-token prompts" in line["the full cache"]
+    assert "| -2.5% (78.0 vs 80.0 ms) |" in line["StreamingLLM"]
+    section = results_papers.tpot_section(tmp_path / "tpot.json", tmp_path)
+    for body in tpot.table(rows)[1]:
+        assert "| " + " | ".join(body) + " |" in section
+    assert "| paged_eviction | 78.0 | 78.0 / 79.0 | -22.0% | -2.5% | - |" in section

@@ -12,6 +12,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "kv_update",
     "throughput",
     "ttft",
+    "tpot",
     "lazy_pruning",
     "worker_memory",
     "gvote",

@@ -104,6 +104,24 @@ def lazy_pruning(what: str) -> Ours:
     return read
 
 
+def tpot_change(policy: str, over: str) -> Ours:
+    """PagedEviction Fig. 3d: a policy's time per output token against another's (`bench tpot`)."""
+
+    def read(results_dir: Path) -> tuple[str, str] | None:
+        document = _document(results_dir, "tpot.json")
+        if document is None:
+            return None
+        rows = {row["policy"]: row for row in document.get("results", [])}
+        if policy not in rows or over not in rows:
+            return None
+        settings = document.get("settings", {})
+        ours, theirs = rows[policy]["ms"], rows[over]["ms"]
+        return (f"{100 * (ours / theirs - 1):+.1f}% ({ours:.1f} vs {theirs:.1f} ms)",
+                f"{settings.get('model')} {settings.get('dtype')}, batch {settings.get('batch')}, "
+                f"{settings.get('prompt_tokens')}-token prompts, budget {settings.get('budget')}, {_machine(document)}")
+    return read
+
+
 _TABLE6 = "Xeon SPR, a cache of 1024 tokens, evict 64, batch {b}, {h} heads of {d}"
 _TABLE6_ROWS = ((1, 64, 64, "11.62", "26.54"), (1, 64, 128, "27.32", "36.04"), (1, 128, 64, "19.36", "27.65"),
                 (8, 64, 64, "35.73", "47.94"), (8, 64, 128, "38.12", "46.67"), (8, 128, 64, "39.90", "45.04"),
@@ -134,7 +152,9 @@ PAPER_FIGURES: tuple[PaperFigure, ...] = (
                 "Llama-3.2-1B, vLLM, GPU",
                 throughput_ratio("throughput_paged.json", "paged_eviction", 1024, "streaming")),
     PaperFigure("PagedEviction", "Fig. 3d: time per output token vs the full cache, budget 1024", "-10 to -12%",
-                "Llama 1B/3B/8B, vLLM, GPU"),
+                "Llama 1B/3B/8B, vLLM, GPU", tpot_change("paged_eviction", "none")),
+    PaperFigure("PagedEviction", "Fig. 3d: time per output token vs StreamingLLM, budget 1024",
+                "similar or slightly lower", "Llama 1B/3B/8B, vLLM, GPU", tpot_change("paged_eviction", "streaming")),
 )
 
 
@@ -183,3 +203,19 @@ def lazy_pruning_section(path: Path, doc_dir: Path) -> str:
              f"{settings.get('recompute_stride')}. Prune events and move time: the worker's own counters.")
     return sections.file_section(f"Lazy Pruning (`{path.name}`)", document, setup,
                                  sections.markdown_table(*bench.table(document.get("results", []))), [], path, doc_dir)
+
+
+def tpot_section(path: Path, doc_dir: Path) -> str:
+    """`bench tpot`: each policy's decode step at a long context, against `none`'s."""
+    from vllm_kvprune.bench import tpot
+
+    document = sections.load(path)
+    settings = document.get("settings", {})
+    setup = (f"{settings.get('model')} {settings.get('dtype')}, eager; {settings.get('batch')} requests of "
+             f"{settings.get('prompt_tokens')} essay tokens decoding together in a pool that holds all of them (no "
+             f"policy is memory-bound); budget {settings.get('budget')} (sinks {settings.get('sinks')}) for the "
+             f"budgeted policies, which prune each prompt after its prefill. TPOT: the mean decode step over "
+             f"{settings.get('tokens')} steps; each policy in an engine of its own, the policies taking turns "
+             f"{settings.get('repeats')} times (the median round shown, every round listed).")
+    return sections.file_section(f"Time per output token (`{path.name}`)", document, setup,
+                                 sections.markdown_table(*tpot.table(document.get("results", []))), [], path, doc_dir)
