@@ -93,6 +93,10 @@ def test_budget_free_policies_run_settings_and_skip_teacher_forced_tasks():
     assert [(r.budget, r.settings) for r in ours.policy_runs("h2o", task, [prompt], settings)] == [
         (128, {"kv_budget": 128}), (256, {"kv_budget": 256})]
     assert [(r.budget, r.settings) for r in ours.policy_runs("none", task, [prompt], settings)] == [(None, {})]
+    # An ablation: the policy's own budgets, with its per-request settings on each.
+    assert [(r.budget, r.settings) for r in ours.policy_runs("paged_eviction_paper", task, [prompt], settings)] == [
+        (128, {"kv_budget": 128, "kv_sinks": 0, "kv_recent": 0}), (256, {"kv_budget": 256, "kv_sinks": 0,
+                                                                        "kv_recent": 0})]
 
 
 def test_needle_heat_map_gives_the_full_cache_and_gvote_panels_of_their_own():

@@ -26,9 +26,9 @@ def kv_with_weak_block(num_tokens: int, weak_block: int, seed: int) -> tuple[tor
     return key, value * value_norm
 
 
-def worker(budget: int = 128, interval: int = 1, total_kv_heads: int = HEADS) -> WorkerKVState:
+def worker(budget: int = 128, interval: int = 1, total_kv_heads: int = HEADS, **settings) -> WorkerKVState:
     config = KVPolicyConfig.from_dict({"name": "paged_eviction", "budget": budget, "sinks": 4,
-                                       "prune_interval": interval})
+                                       "prune_interval": interval, **settings})
     state = WorkerKVState(config)
     state.bind_cache(LAYERS, num_blocks=16, block_size=BLOCK_SIZE, total_kv_heads=total_kv_heads)
     return state
@@ -69,10 +69,14 @@ def test_each_layer_drops_its_weakest_block_and_reuses_it_as_the_tail():
     assert tables[1, 0, :4].tolist() == BLOCK_ROW[[0, 2, 3, 1]].tolist()
 
 
-def test_sink_block_and_tail_are_never_dropped():
-    state = worker()
+@pytest.mark.parametrize("settings, dropped", [({}, 2), ({"sinks": 0, "recent": 0}, 3),
+                                               ({"sinks": 0}, 0), ({"recent": 64}, 1)])
+def test_sink_block_and_tail_are_never_dropped(settings, dropped):
+    """By default the sinks' block and the tail are kept; `sinks: 0, recent: 0` (the paper's
+    rule) lets the weakest of all go, the tail included; `recent: 64` keeps two newest blocks."""
+    state = worker(**settings)
     prompt = plan_step(state, 0, 128, 128)
-    # The weakest blocks are the sinks' (0) and the tail (3) in both layers: block 1 or 2 must go.
+    # Weakest to strongest in both layers: the tail (3), the sinks' (0), block 2, block 1.
     kv = []
     for seed in range(2):
         key, value = kv_with_weak_block(128, 0, seed)
@@ -81,7 +85,7 @@ def test_sink_block_and_tail_are_never_dropped():
         kv.append((key, value))
     write_scores(state, prompt, kv)
     step = plan_step(state, 128, 1, 128)
-    assert (step.layer_slot_mapping[:, 0].numpy() == BLOCK_ROW[2] * BLOCK_SIZE).all()
+    assert (step.layer_slot_mapping[:, 0].numpy() == BLOCK_ROW[dropped] * BLOCK_SIZE).all()
 
 
 def test_lazy_pruning_drops_r_blocks_every_r_fills():
@@ -123,10 +127,14 @@ def test_block_scores_are_reduced_across_tensor_parallel_ranks(monkeypatch):
     assert (step.layer_slot_mapping[:, 0].numpy() == BLOCK_ROW[1] * BLOCK_SIZE).all()
 
 
-@pytest.mark.parametrize("budget, sinks, message", [(64, 4, "at least 96"), (96, 40, "at least 128")])
-def test_budget_must_leave_an_evictable_block(budget, sinks, message):
+@pytest.mark.parametrize("budget, sinks, recent, message", [(64, 4, None, "at least 96"), (96, 40, None, "at least 128"),
+                                                              (64, 0, 64, "at least 96")])
+def test_budget_must_leave_an_evictable_block(budget, sinks, recent, message):
     from vllm_kvprune.config import KVConfigError
 
-    config = KVPolicyConfig.from_dict({"name": "paged_eviction", "budget": budget, "sinks": sinks})
+    config = KVPolicyConfig.from_dict({"name": "paged_eviction", "budget": budget, "sinks": sinks, "recent": recent})
     with pytest.raises(KVConfigError, match=message):
         config.check_engine(BLOCK_SIZE)
+    # With nothing protected one block is enough to evict from.
+    KVPolicyConfig.from_dict({"name": "paged_eviction", "budget": BLOCK_SIZE, "sinks": 0, "recent": 0}).check_engine(
+        BLOCK_SIZE)

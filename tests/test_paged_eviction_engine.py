@@ -110,6 +110,25 @@ class TestSharedEngine:
                                          use_tqdm=False)
             assert together.outputs[0].token_ids == alone.outputs[0].token_ids
 
+    def test_papers_rule_next_to_ours_matches_the_reference(self, paged_llm, reference_model):
+        """Per request, `kv_sinks: 0, kv_recent: 0` is the paper's own rule (every block a
+        candidate, the newest included) beside our default in one batch, each matching the
+        reference at its settings."""
+        prompt_ids = prompts(PROMPT_LENGTHS, seed=5)
+        num_tokens = 2 * 96
+        papers = dict(kv_sinks=0, kv_recent=0)
+        outputs = paged_llm.generate([{"prompt_token_ids": p} for p in prompt_ids * 2],
+                                     [greedy(num_tokens, **papers)] * len(prompt_ids) + [greedy(num_tokens)] * len(
+                                         prompt_ids), use_tqdm=False)
+        assert_matches_reference(outputs[:len(prompt_ids)], prompt_ids, reference_model, num_tokens, budget=96,
+                                 block_size=32, sinks=0, recent=0)
+        assert_matches_reference(outputs[len(prompt_ids):], prompt_ids, reference_model, num_tokens, budget=96,
+                                 block_size=32, sinks=SINKS)
+        assert all(a.outputs[0].token_ids != b.outputs[0].token_ids
+                   for a, b in zip(outputs[1:len(prompt_ids)], outputs[len(prompt_ids) + 1:])), \
+            "the two rules were expected to keep different blocks on the pruned prompts"
+        assert all_blocks_free(paged_llm)
+
     def test_budget_override_too_small_is_refused(self, paged_llm):
         from vllm.exceptions import VLLMValidationError
 

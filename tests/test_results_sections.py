@@ -282,3 +282,22 @@ def test_ray_batch_section_reads_every_run() -> None:
         assert cells[2] == f"{run['generated_tokens_per_busy_second']:.1f}"
         assert cells[3] == f"{run['speedup_busy']:.2f}x"
         assert cells[6] == f"{run['kv_blocks_held_mean']:.1f}"
+
+
+def test_accuracy_runs_apart_render_after_the_suites(tmp_path) -> None:
+    """A run of a few tasks in a folder of results/ (ACCURACY_RUNS_APART) gets its own
+    section, under its title, with its table computed from its records."""
+    from vllm_kvprune.bench import results_page
+    from vllm_kvprune.bench.accuracy import TASK_TYPES, report
+
+    folder, title = next(iter(results_page.ACCURACY_RUNS_APART.items()))
+    document = json.loads((RESULTS / "accuracy_needle.json").read_text())
+    document["results"] = [r for r in document["results"] if r["method"] in ("none", "paged_eviction")]
+    (tmp_path / folder).mkdir()
+    (tmp_path / folder / "accuracy_needle.json").write_text(json.dumps(document))
+    page = results_page.render(tmp_path, tmp_path / "docs" / "RESULTS.md")
+    after = page.split(f"### {title}", 1)[1]
+    assert after.lstrip().startswith("#### needle (hit rate)")
+    budgets = sorted({r["budget"] for r in document["results"] if r["budget"] is not None})
+    for row in report.budget_table(TASK_TYPES["needle"](), document["results"], budgets)[1]:
+        assert "| " + " | ".join(row) + " |" in after

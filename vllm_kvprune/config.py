@@ -88,7 +88,10 @@ class KVPolicyConfig:
     `streaming` it is `sinks + window`. `prune_interval` R lets the cache grow to
     `budget + R - 1` and then evicts in one batch (lazy pruning). `recent` (`h2o`) is the
     window of newest tokens every head keeps; the rest of `budget - 1 - sinks` goes to
-    heavy hitters (default: half of `budget - sinks` each).
+    heavy hitters (default: half of `budget - sinks` each). For `paged_eviction`, `recent` is
+    the newest tokens never evicted: the prompt's last `recent` at prefill, the blocks holding
+    the newest `recent` at decode (default: one block); `recent: 0` with `sinks: 0` is the
+    paper's own rule, where every block is a candidate.
 
     `gvote_*` (GVote, budget-free): `gvote_p` the nucleus threshold whose top-p set of the
     last prompt token's query sets each query head's step budget, `gvote_samples` the
@@ -266,13 +269,15 @@ class KVPolicyConfig:
                 f"use at least {block_size} or a smaller --block-size",
             )
         if self.name in BLOCK_POLICIES:
-            # Sink blocks and the tail are never evicted; at least one other block must be.
-            needed = (self.protected_blocks(block_size) + 2) * block_size
+            # Sink blocks and the newest blocks are never evicted; at least one other block must be.
+            tail_blocks = self.protected_tail_blocks(block_size)
+            needed = (self.protected_blocks(block_size) + tail_blocks + 1) * block_size
             if self.budget < needed:
                 raise KVConfigError(
                     surface.name("budget"),
-                    f"{self.name} needs at least {needed} tokens with {self.sinks} sinks and block size "
-                    f"{block_size} (sink blocks + one evictable block + the tail block), got {self.budget}",
+                    f"{self.name} needs at least {needed} tokens with {self.sinks} sinks, {tail_blocks} protected "
+                    f"newest block(s) and block size {block_size} (sink blocks + one evictable block + the "
+                    f"newest), got {self.budget}",
                 )
 
     # ---- capacity (the same pure function on scheduler and worker) ------------------
@@ -296,6 +301,15 @@ class KVPolicyConfig:
     def protected_blocks(self, block_size: int) -> int:
         """Leading blocks a block policy never evicts: those holding the sinks."""
         return math.ceil(self.sinks / block_size)
+
+    def protected_tail(self, block_size: int) -> int:
+        """Newest tokens a block policy never evicts (`recent`; default one block)."""
+        return block_size if self.recent is None else self.recent
+
+    def protected_tail_blocks(self, block_size: int) -> int:
+        """Trailing blocks a block policy never evicts at decode: those holding the newest
+        `protected_tail` tokens (its blocks are full when it evicts)."""
+        return math.ceil(self.protected_tail(block_size) / block_size)
 
     def prefill_cap_blocks(self, block_size: int) -> int | None:
         """Blocks a request may hold while its prompt is prefilled (None: unbounded)."""

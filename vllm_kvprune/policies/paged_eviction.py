@@ -2,7 +2,9 @@
 
 Prefill keeps the best `budget` prompt tokens of each layer; decode evicts the whole block
 with the lowest mean token score each time the request's blocks are all full. Scores are
-averaged over KV heads, as in the paper. Ties go against the oldest token or block.
+averaged over KV heads, as in the paper. Ties go against the oldest token or block. Our
+additions, on by default: the `sinks` and the newest `recent` tokens (one block) are never
+evicted; `sinks: 0, recent: 0` is the paper's rule.
 """
 
 from __future__ import annotations
@@ -33,13 +35,13 @@ class PagedEvictionPolicy(Policy):
                           block_size: int) -> torch.Tensor:
         """Slots (= prompt positions) of the `keep` tokens to keep, ascending.
 
-        The first `sinks` tokens and the prompt's last `block_size` are always kept; the
-        rest of the budget goes to the highest scores.
+        The first `sinks` tokens and the prompt's last `recent` (default `block_size`) are
+        always kept; the rest of the budget goes to the highest scores.
         """
         num_tokens = len(scores)
         protected = torch.zeros(num_tokens, dtype=torch.bool)
         protected[: config.sinks] = True
-        protected[num_tokens - block_size:] = True
+        protected[num_tokens - config.protected_tail(block_size):] = True
         candidates = (~protected).nonzero()[:, 0]
         num_evicted = num_tokens - keep
         # Ascending score, stable: among equal scores the oldest goes first.
@@ -53,8 +55,9 @@ class PagedEvictionPolicy(Policy):
         """Positions in each layer's block order of the `count` blocks to evict.
 
         `block_means` is `[layers, blocks]` in kernel order (oldest first); the sink blocks
-        at the front and the tail at the end are never candidates.
+        at the front and the blocks of the newest `recent` tokens at the end (default: the
+        last block) are never candidates.
         """
         first = config.protected_blocks(block_size)
-        candidates = block_means[:, first:-1]
+        candidates = block_means[:, first:block_means.shape[1] - config.protected_tail_blocks(block_size)]
         return torch.sort(candidates, dim=1, stable=True).indices[:, :count] + first

@@ -10,12 +10,14 @@ Semantics (the engine implements exactly the same):
   change their norm), averaged over the KV heads. Computed from the cached K and V.
 * ``budget`` B, ``block_size`` bs, ``sinks`` S, ``prune_interval`` R. A request holds at most
   ``cap = ceil(B / bs) + R - 1`` blocks after its prompt.
+* ``recent`` N: the newest tokens never evicted (default bs; 0 with S = 0 is the paper's rule).
 * Prefill is one step over the whole prompt with full attention. Then, if the prompt is longer
-  than B, each layer keeps B tokens in their original order: the first S and the last bs
+  than B, each layer keeps B tokens in their original order: the first S and the last N
   prompt tokens always, the rest by highest score (ties: the oldest token is evicted first).
 * Decode: before a new token is appended to a cache that fills all ``cap`` blocks, each layer
-  evicts the R blocks with the lowest mean token score; never the last (most recent) block and
-  never a block holding one of the first S tokens (ties: the oldest block goes first). So with
+  evicts the R blocks with the lowest mean token score; never one of the last ceil(N / bs)
+  (most recent) blocks and never a block holding one of the first S tokens (ties: the oldest
+  block goes first). So with
   R = 1 a layer drops one block each time its blocks are full, and with R > 1 it drops R blocks
   every R block fills.
 * Positions are always the original ones (keys cached after RoPE).
@@ -38,10 +40,12 @@ class PagedEvictionReference(BudgetedReference):
     """PagedEviction on a contiguous cache: token gather at prefill, block removal at decode."""
 
     def __init__(self, model: nn.Module, *, budget: int, block_size: int, sinks: int = 0,
-                 prune_interval: int = 1, head_transform: HeadTransform | None = None) -> None:
+                 prune_interval: int = 1, recent: int | None = None,
+                 head_transform: HeadTransform | None = None) -> None:
         super().__init__(model, budget=budget, prune_interval=prune_interval, head_transform=head_transform)
         self.block_size = block_size
         self.sinks = sinks
+        self.recent = block_size if recent is None else recent
         self.cap_tokens = (math.ceil(budget / block_size) + prune_interval - 1) * block_size
 
     def token_scores(self, layer: int) -> torch.Tensor:
@@ -69,7 +73,7 @@ class PagedEvictionReference(BudgetedReference):
     def _prune_prompt(self, layer: int) -> None:
         num_tokens = self.cache.layer_len(layer)
         index = torch.arange(num_tokens)
-        protected = (index < self.sinks) | (index >= num_tokens - self.block_size)
+        protected = (index < self.sinks) | (index >= num_tokens - self.recent)
         candidates = index[~protected]
         scores = self.token_scores(layer)[candidates]
         evicted = candidates[lowest_scores_first(scores)[: num_tokens - self.budget]]
@@ -82,7 +86,8 @@ class PagedEvictionReference(BudgetedReference):
         num_blocks = self.cache.layer_len(layer) // bs
         block_scores = self.token_scores(layer).view(num_blocks, bs).mean(dim=1)
         first_positions = self.cache.positions[layer][0].view(num_blocks, bs).min(dim=1).values
-        candidates = torch.arange(num_blocks - 1)[first_positions[:-1] >= self.sinks]  # not the tail
+        newest = math.ceil(self.recent / bs)  # blocks holding the newest `recent` tokens
+        candidates = torch.arange(num_blocks - newest)[first_positions[:num_blocks - newest] >= self.sinks]
         victims = candidates[lowest_scores_first(block_scores[candidates])[: self.prune_interval]]
         keep = torch.ones(num_blocks, bs, dtype=torch.bool)
         keep[victims] = False

@@ -34,6 +34,7 @@ TASK_TYPES: dict[str, type[Task]] = {"perplexity": Perplexity, "needle": Needle,
                                      "arithmetic": Arithmetic}
 TASK_NAMES = tuple(TASK_TYPES)
 POLICIES = ("streaming", "h2o", "paged_eviction", "gvote")
+CHOICES = (*POLICIES, "paged_eviction_paper")  # an ablation (ours.VARIANTS), on request
 # Settings that decide which cases a task builds and how kvpress ran them: an earlier run's
 # kvpress records are reused only where all of these match.
 KVPRESS_REUSE_KEYS = ("tiny", "seed", "sinks", "dtype", "ppl_segments", "ppl_tokens", "needle_contexts", "needle_depths",
@@ -57,7 +58,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(NAME, help="accuracy of every policy and budget, with kvpress side by side",
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", nargs="+", default=list(TASK_NAMES), choices=TASK_NAMES)
-    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=CHOICES,
+                        help="paged_eviction_paper: paged_eviction by the paper's own rule (kv_sinks 0, kv_recent 0: "
+                             "no protected sinks or newest block), an ablation")
     parser.add_argument("--budgets", type=int, nargs="+", default=[128, 256, 512, 1024])
     parser.add_argument("--sinks", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
