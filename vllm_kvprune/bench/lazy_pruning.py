@@ -39,7 +39,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -271,48 +270,13 @@ def tpot_rows(llm: Any, tokens: list[int], intervals: list[int], batches: list[i
 
 def decode_timing(llm: Any, tokens: list[int], batch: int, r: int, args: argparse.Namespace) -> dict[str, Any]:
     """`batch` requests of `budget` essay tokens (each its own window) at prune interval `r`
-    (`kv_prune_interval`) decoding together for `tpot_tokens` steps: the mean wall time of those
-    steps after the first (prune steps included: that is what R amortizes), the worker's move and
-    planning time per step, and the prune events of the first request. The prompts prefill over several
-    steps, the first ones decoding meanwhile, so the requests may generate up to the model's
-    length and are aborted once the timed steps are done."""
-    from vllm import SamplingParams
+    (`kv_prune_interval`) decoding together for `tpot_tokens` steps (`decode_steps`: the mean
+    step after the first, prune steps included: that is what R amortizes; the worker's move
+    and planning time per step; the prune events of the first request)."""
+    from vllm_kvprune.bench.decode_steps import time_decode_steps
 
-    params = SamplingParams(temperature=0, max_tokens=llm.llm_engine.model_config.max_model_len - args.budget,
-                            ignore_eos=True, extra_args={"kv_prune_interval": r})
-    engine, kv_state = llm.llm_engine, common.model_runner(llm).kv_state
-    ids = [engine.add_request(f"tpot{batch}-{i}", {"prompt_token_ids": tokens[i * args.budget:(i + 1) * args.budget]},
-                              params) for i in range(batch)]
-
-    def held() -> list[int]:  # tokens each request holds now (0: not prefilled yet, or finished)
-        states = [kv_state.requests.get(request_id) for request_id in ids]
-        return [state.kept_tokens()[1] if state is not None else 0 for state in states]
-
-    steps: list[float] = []
-    events, moved, planned, before = 0, 0.0, 0.0, held()
-    for _ in range(args.tpot_tokens + 64 * batch):
-        if len(steps) > args.tpot_tokens:
-            break
-        decoding = all(before)  # every prompt is in: this step decodes one token of each
-        began, moves, plans = time.perf_counter(), kv_state.move_seconds, kv_state.plan_seconds
-        engine.step()
-        seconds, after = time.perf_counter() - began, held()
-        if decoding and all(after):
-            steps.append(seconds)
-            moved += kv_state.move_seconds - moves
-            planned += kv_state.plan_seconds - plans
-            events += after[0] < before[0] + 1
-        before = after
-    engine.abort_request(ids, internal=True)  # add_request returned the internal ids
-    while engine.has_unfinished_requests():  # let the aborts reach the worker
-        engine.step()
-    if len(steps) <= args.tpot_tokens:
-        raise RuntimeError(f"batch {batch}: the requests decoded together for only {len(steps)} steps; does the "
-                           "pool hold all their prompts at once (--pool-gib)?")
-    timed = steps[1:]
-    return {"ms": 1000 * sum(timed) / len(timed), "median_step_ms": 1000 * statistics.median(timed),
-            "steps": len(timed), "prune_events": events,
-            "move_ms_per_step": 1000 * moved / len(steps), "plan_ms_per_step": 1000 * planned / len(steps)}
+    prompts = [tokens[i * args.budget:(i + 1) * args.budget] for i in range(batch)]
+    return time_decode_steps(llm, prompts, args.tpot_tokens, {"kv_prune_interval": r}, name=f"tpot{batch}-R{r}")
 
 
 def recompute(llm: Any, tokens: list[int], args: argparse.Namespace) -> dict[str, Any]:
