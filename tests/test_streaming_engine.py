@@ -212,6 +212,37 @@ class TestSharedEngine:
             assert_same_as(reference, [output], [prompt], 150)
         assert all_blocks_free(streaming_llm)
 
+    @pytest.mark.parametrize("shift_and_append", [False, True])
+    def test_shift_and_append_baseline_keeps_the_same_tokens(self, streaming_llm, reference_model, monkeypatch,
+                                                             shift_and_append):
+        """The benchmarks' baseline (`VLLM_KVPRUNE_SHIFT_APPEND=1`): a decode eviction shifts the
+        survivors down and appends, so the slots hold the window in order and every eviction
+        moves tokens; in place (EQUIP) the new token takes the victim's slot and nothing moves.
+        The baseline keeps what the reference keeps (in place: the parity tests above). Prompts
+        under the budget: no prefill compaction."""
+        from vllm_kvprune.worker.planners import TokenPlanner
+
+        monkeypatch.setattr(TokenPlanner, "shift_and_append", shift_and_append)
+        kv_state = runner_of(streaming_llm).kv_state
+        prompt_ids, num_tokens = prompts((20, 63), seed=7), 2 * BUDGET
+        in_order: list[bool] = []
+
+        def record() -> None:
+            for state in kv_state.requests.values():
+                if state.slots is not None and state.slots.num_valid == BUDGET:
+                    in_order.append(bool((np.diff(state.slots.logical) > 0).all()))
+
+        moved_before = kv_state.move_seconds
+        finished = run_steps(streaming_llm, prompt_ids, [greedy(num_tokens)] * len(prompt_ids), on_step=record)
+        if shift_and_append:
+            from vllm_kvprune.reference.streaming import StreamingLLMReference
+
+            assert_same_as(StreamingLLMReference(reference_model, budget=BUDGET, sinks=SINKS),
+                           [finished[str(i)] for i in range(len(prompt_ids))], prompt_ids, num_tokens)
+        assert in_order and all(in_order) == shift_and_append and any(in_order)
+        assert (kv_state.move_seconds > moved_before) == shift_and_append
+        assert all_blocks_free(streaming_llm)
+
     def test_bad_request_override_raises_and_engine_goes_on(self, streaming_llm):
         from vllm.exceptions import VLLMValidationError
 

@@ -6,8 +6,9 @@ The paper (Llama 1B/3B/8B on a GPU, vLLM, budget 1024) reports PagedEviction's d
 Here: `--batch` requests of `--prompt-tokens` essay tokens (each its own window) decode
 together; the budgeted policies prune each prompt to `--budget` after its prefill (`prefill:
 full`), so a step attends `budget` cached tokens per request instead of the whole context.
-Time per output token is the mean decode step over `--tokens` steps (`decode_steps.py`). Each
-policy runs in an engine of its own (a child process, in-process engine, eager, float32 by
+Time per output token is the mean decode step over `--tokens` steps (`decode_steps.py`).
+`streaming-shift` is `streaming` with shift-and-append evictions instead of EQUIP's in-place
+write (EQUIP's Fig. 7a compares the two end to end). Each policy runs in an engine of its own (a child process, in-process engine, eager, float32 by
 default: see `--dtype`); the policies take turns `--repeats` times and the median round is shown.
 """
 
@@ -24,7 +25,11 @@ from typing import Any
 
 from vllm_kvprune.bench import common
 
-POLICIES = ("none", "streaming", "paged_eviction", "h2o")
+POLICIES = ("none", "streaming", "paged_eviction", "h2o", "streaming-shift")
+# Baselines: a policy run with a benchmark switch of the engine's. `streaming-shift`: streaming
+# whose decode evictions shift the window down and append (`VLLM_KVPRUNE_SHIFT_APPEND=1`, as
+# StreamingLLM's contiguous cache does) instead of EQUIP's in-place write (EQUIP's Fig. 7a).
+BASELINES = {"streaming-shift": ("streaming", {"VLLM_KVPRUNE_SHIFT_APPEND": "1"})}
 BLOCK_SIZE = 32
 
 
@@ -58,8 +63,9 @@ def run(args: argparse.Namespace) -> int:
         for policy in args.policies:
             print(f"[tpot] round {round_index + 1}/{args.repeats}: {policy} ...", flush=True)
             command = [sys.executable, "-m", "vllm_kvprune.bench", "tpot", "--child", policy, *child_flags(args)]
+            switches = BASELINES[policy][1] if policy in BASELINES else {}
             try:
-                rounds[policy].append(common.run_child(command, env, f"tpot {policy}"))
+                rounds[policy].append(common.run_child(command, {**env, **switches}, f"tpot {policy}"))
             except RuntimeError as error:
                 raise SystemExit(f"tpot: {error}") from None
     rows = [median_round(policy, found) for policy, found in rounds.items()]
@@ -110,8 +116,9 @@ def measure(args: argparse.Namespace, policy: str) -> dict[str, Any]:
     options: dict[str, Any] = dict(model=model, dtype=args.dtype, block_size=BLOCK_SIZE, enforce_eager=True,
                                    enable_prefix_caching=False, seed=0, max_model_len=context,
                                    max_num_seqs=args.batch, kv_cache_memory_bytes=int(args.pool_gib * 2**30))
-    if policy != "none":
-        options["additional_config"] = {"kv_policy": {"name": policy, "budget": args.budget, "sinks": args.sinks}}
+    name = BASELINES[policy][0] if policy in BASELINES else policy
+    if name != "none":
+        options["additional_config"] = {"kv_policy": {"name": name, "budget": args.budget, "sinks": args.sinks}}
     llm = LLM(**options)
     try:
         found = time_decode_steps(llm, prompts, args.tokens, name=policy)

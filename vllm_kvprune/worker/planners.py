@@ -15,6 +15,7 @@ ours); a streaming prefill applies the rule at each `prefill_chunk`.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -111,7 +112,14 @@ class RowPlanner:
 class TokenPlanner(RowPlanner):
     """Layer-uniform policies (`streaming`): one `SlotMap` per request serves every layer.
     Evictions compact (prefill) or overwrite a victim in place (decode, EQUIP); with
-    `positions: cache` the sinks are captured and re-anchored."""
+    `positions: cache` the sinks are captured and re-anchored.
+
+    `VLLM_KVPRUNE_SHIFT_APPEND=1` is a baseline for benchmarks, never for serving: a decode
+    eviction then shifts every survivor after the victims down and appends the new token at
+    the end, as StreamingLLM's contiguous cache does (the same tokens kept, in the same
+    order as there; EQUIP's end-to-end comparison)."""
+
+    shift_and_append = os.environ.get("VLLM_KVPRUNE_SHIFT_APPEND", "0") == "1"
 
     def __init__(self, block_size: int, scores: Any = None) -> None:
         super().__init__(block_size, scores)
@@ -131,8 +139,12 @@ class TokenPlanner(RowPlanner):
         if row.decoding() and config.evicts_before(slots.num_valid, 1):
             kept_before_new = config.budget - 1
             victims = state.policy.victims(slots.logical, slots.num_valid + 1 - config.budget, config)
-            new_slot, pre = slots.replace(victims, row.num_computed)
-            new_slots = np.array([new_slot], np.int64)
+            if self.shift_and_append:
+                pre = slots.compact(np.setdiff1d(np.arange(slots.num_valid), victims))
+                new_slots = slots.append(row.positions)
+            else:
+                new_slot, pre = slots.replace(victims, row.num_computed)
+                new_slots = np.array([new_slot], np.int64)
         else:
             chunk = config.prefill_chunk
             if row.in_prompt and config.prefill == "streaming" and row.num_computed % chunk == 0:
