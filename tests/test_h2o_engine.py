@@ -112,6 +112,30 @@ class TestSharedEngine:
             [alone] = h2o_llm.generate([{"prompt_token_ids": prompt}], greedy(300, **setting), use_tqdm=False)
             assert together.outputs[0].token_ids == alone.outputs[0].token_ids
 
+    def test_gather_and_append_baseline_keeps_the_same_tokens(self, h2o_llm, reference_model, monkeypatch):
+        """The benchmarks' baseline (`VLLM_KVPRUNE_SHIFT_APPEND=1`): each head gathers its
+        survivors to the front in order and appends (in place, the new token would take a
+        victim's slot, out of order), keeping what the reference keeps, moves recorded."""
+        from vllm_kvprune.worker.planners import HeadPlanner
+
+        monkeypatch.setattr(HeadPlanner, "gather_and_append", True)
+        kv_state = runner_of(h2o_llm).kv_state
+        prompt_ids, num_tokens = prompts((20, 90), seed=7), 2 * 96  # under the budget: no prefill pruning
+        in_order: list[bool] = []
+
+        def record() -> None:
+            check_invariants(h2o_llm, [])
+            for state in kv_state.requests.values():
+                if state.heads is not None and not state.heads.is_identity:
+                    in_order.append(bool((np.diff(state.heads.logical, axis=2) > 0).all()))
+
+        moved_before = kv_state.move_seconds
+        finished = run_steps(h2o_llm, prompt_ids, [greedy(num_tokens)] * len(prompt_ids), on_step=record)
+        assert_same_as(reference_for(reference_model, 96), [finished[str(i)] for i in range(len(prompt_ids))],
+                       prompt_ids, num_tokens)
+        assert in_order and all(in_order) and kv_state.move_seconds > moved_before
+        assert all_blocks_free(h2o_llm)
+
     def test_bad_recent_override_is_refused(self, h2o_llm):
         from vllm.exceptions import VLLMValidationError
 

@@ -71,7 +71,7 @@ def test_fig_3d_and_7a_rows_come_from_the_tpot_file(tmp_path) -> None:
 
     rows = [{"policy": policy, "ms": ms, "rounds_ms": [ms, ms + 1], "steps": 128}
             for policy, ms in (("none", 100.0), ("streaming", 80.0), ("paged_eviction", 78.0),
-                               ("streaming-shift", 100.0))]
+                               ("streaming-shift", 100.0), ("h2o", 90.0), ("h2o-gather", 180.0))]
     tpot.add_ratios(rows)
     settings = {"model": "m", "dtype": "float32", "batch": 8, "prompt_tokens": 4096, "budget": 1024}
     common.write_json(tmp_path / "tpot.json", "tpot", settings, rows)
@@ -82,6 +82,8 @@ def test_fig_3d_and_7a_rows_come_from_the_tpot_file(tmp_path) -> None:
     assert "| -2.5% (78.0 vs 80.0 ms) |" in line["StreamingLLM"]
     shift = next(l for l in page.splitlines() if "in place over StreamingLLM's shift-and-append" in l)
     assert "| 1.25x (80.0 vs 100.0 ms) |" in shift
+    gather = next(l for l in page.splitlines() if "in place over H2O's gather" in l)
+    assert "| 2.00x (90.0 vs 180.0 ms) |" in gather
     section = results_papers.tpot_section(tmp_path / "tpot.json", tmp_path)
     for body in tpot.table(rows)[1]:
         assert "| " + " | ".join(body) + " |" in section

@@ -7,8 +7,9 @@ Here: `--batch` requests of `--prompt-tokens` essay tokens (each its own window)
 together; the budgeted policies prune each prompt to `--budget` after its prefill (`prefill:
 full`), so a step attends `budget` cached tokens per request instead of the whole context.
 Time per output token is the mean decode step over `--tokens` steps (`decode_steps.py`).
-`streaming-shift` is `streaming` with shift-and-append evictions instead of EQUIP's in-place
-write (EQUIP's Fig. 7a compares the two end to end). Each policy runs in an engine of its own (a child process, in-process engine, eager, float32 by
+`streaming-shift` and `h2o-gather` are `streaming` and `h2o` whose evictions shift (gather) the
+survivors and append, as the methods' own caches do, instead of EQUIP's in-place write (EQUIP's
+Fig. 7a compares the two end to end). Each policy runs in an engine of its own (a child process, in-process engine, eager, float32 by
 default: see `--dtype`); the policies take turns `--repeats` times and the median round is shown.
 """
 
@@ -25,11 +26,13 @@ from typing import Any
 
 from vllm_kvprune.bench import common
 
-POLICIES = ("none", "streaming", "paged_eviction", "h2o", "streaming-shift")
-# Baselines: a policy run with a benchmark switch of the engine's. `streaming-shift`: streaming
-# whose decode evictions shift the window down and append (`VLLM_KVPRUNE_SHIFT_APPEND=1`, as
-# StreamingLLM's contiguous cache does) instead of EQUIP's in-place write (EQUIP's Fig. 7a).
-BASELINES = {"streaming-shift": ("streaming", {"VLLM_KVPRUNE_SHIFT_APPEND": "1"})}
+POLICIES = ("none", "streaming", "paged_eviction", "h2o", "streaming-shift", "h2o-gather")
+# Baselines: a policy run with a benchmark switch of the engine's (`VLLM_KVPRUNE_SHIFT_APPEND=1`),
+# whose decode evictions move the survivors as the methods' own contiguous caches do instead
+# of EQUIP's in-place write (EQUIP's Fig. 7a): `streaming-shift` shifts the window down and
+# appends (StreamingLLM), `h2o-gather` gathers each head's survivors and appends (H2O).
+SHIFT_APPEND = {"VLLM_KVPRUNE_SHIFT_APPEND": "1"}
+BASELINES = {"streaming-shift": ("streaming", SHIFT_APPEND), "h2o-gather": ("h2o", SHIFT_APPEND)}
 BLOCK_SIZE = 32
 
 

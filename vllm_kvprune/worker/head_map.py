@@ -120,6 +120,28 @@ class HeadSlotMap:
         self.num_valid = new_valid
         return new_slots, sources.transpose(0, 2, 1).copy(), destinations.transpose(0, 2, 1).copy()
 
+    def gather_replace(self, victims: np.ndarray, position: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The baseline EQUIP replaces (H2O's gather-and-append, for benchmarks): every head's
+        survivors are gathered to the front in slot order and the new token appended after
+        them. Returns what `replace` returns; the moves now span every survivor past each
+        head's first victim, `[layers, num_valid - r, heads]` (SKIP where one stays put)."""
+        self._materialize()
+        num_layers, num_heads, count = victims.shape
+        kept = self.num_valid - count
+        is_victim = np.zeros((num_layers, num_heads, self.num_valid), bool)
+        is_victim[np.arange(num_layers)[:, None, None], np.arange(num_heads)[None, :, None], victims] = True
+        survivors = np.argsort(is_victim, axis=2, kind="stable")[:, :, :kept]  # ascending slots
+        destinations = np.arange(kept)
+        moved = survivors != destinations
+        held = self._held
+        held[:, :, :kept] = np.take_along_axis(held[:, :, :self.num_valid], survivors, axis=2)
+        held[:, :, kept] = position
+        self.num_valid = kept + 1
+        sources = np.where(moved, survivors, SKIP)
+        destinations = np.where(moved, destinations, SKIP)
+        return (np.full((num_layers, num_heads), kept, np.int64), sources.transpose(0, 2, 1).copy(),
+                destinations.transpose(0, 2, 1).copy())
+
     def truncate(self, num_kept: int) -> None:
         """A prompt is being pruned to `num_kept` tokens per head; `set_layer_survivors`
         then records which ones each layer's heads kept. The prompt's room is given back."""

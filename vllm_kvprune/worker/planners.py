@@ -238,7 +238,11 @@ class HeadPlanner(RowPlanner):
     tokens, all heads the same count. The prompt is written in table order, its mass kept as
     it is attended to, and pruned per layer and head at its end; past it, once the cache is
     full, every head evicts its own lowest-mass tokens and the new token takes one of their
-    slots in that head (EQUIP, per head)."""
+    slots in that head (EQUIP, per head). With `VLLM_KVPRUNE_SHIFT_APPEND=1` (benchmarks
+    only) every head gathers its survivors to the front and appends instead, as H2O's own
+    cache does."""
+
+    gather_and_append = os.environ.get("VLLM_KVPRUNE_SHIFT_APPEND", "0") == "1"
 
     def __init__(self, block_size: int, scores: Any = None) -> None:
         super().__init__(block_size, scores)
@@ -278,7 +282,8 @@ class HeadPlanner(RowPlanner):
         slots = torch.from_numpy(self._global(row.block_row, np.arange(heads.num_valid)))
         victims = state.policy.evicted(self.scores.by_slot, slots, torch.from_numpy(heads.logical),
                                        heads.num_valid + 1 - config.budget, row.num_computed, config)
-        new_slots, sources, destinations = heads.replace(victims.numpy(), row.num_computed)
+        replace = heads.gather_replace if self.gather_and_append else heads.replace
+        new_slots, sources, destinations = replace(victims.numpy(), row.num_computed)
         if sources.shape[1]:
             self.head_moves.append((self._global_or_skip(row.block_row, sources),
                                     self._global_or_skip(row.block_row, destinations)))
