@@ -145,11 +145,12 @@ def render(results_dir: Path, page_path: Path) -> str:
         documents.append((ttft.name, sections.load(ttft)))
         parts += ["## Time to first token", results_papers.ttft_section(ttft, page_path.parent)]
 
-    tpot = results_dir / "tpot.json"
-    if tpot.is_file():
-        documents.append((tpot.name, sections.load(tpot)))
-        parts += ["## Time per output token at a long context (PagedEviction Fig. 3d)",
-                  results_papers.tpot_section(tpot, page_path.parent)]
+    tpot_runs = sorted(results_dir.glob("tpot*.json"))
+    if tpot_runs:
+        parts.append("## Time per output token (PagedEviction Fig. 3d, EQUIP Fig. 7a)")
+        for tpot in tpot_runs:
+            documents.append((tpot.name, sections.load(tpot)))
+            parts.append(results_papers.tpot_section(tpot, page_path.parent))
 
     lazy_runs = sorted(results_dir.glob("lazy_pruning*.json"))
     if lazy_runs:

@@ -104,12 +104,13 @@ def lazy_pruning(what: str) -> Ours:
     return read
 
 
-def tpot_change(policy: str, over: str, speedup: bool = False) -> Ours:
-    """A policy's time per output token against another's (`bench tpot`): the change in percent
-    (PagedEviction Fig. 3d), or with `speedup` the other's over ours (EQUIP Fig. 7a)."""
+def tpot_change(name: str, policy: str, over: str, speedup: bool = False) -> Ours:
+    """A policy's time per output token against another's (`bench tpot`'s file `name`): the
+    change in percent (PagedEviction Fig. 3d), or with `speedup` the other's over ours (EQUIP
+    Fig. 7a)."""
 
     def read(results_dir: Path) -> tuple[str, str] | None:
-        document = _document(results_dir, "tpot.json")
+        document = _document(results_dir, name)
         if document is None:
             return None
         rows = {row["policy"]: row for row in document.get("results", [])}
@@ -120,7 +121,8 @@ def tpot_change(policy: str, over: str, speedup: bool = False) -> Ours:
         shown = f"{theirs / ours:.2f}x" if speedup else f"{100 * (ours / theirs - 1):+.1f}%"
         return (f"{shown} ({ours:.1f} vs {theirs:.1f} ms)",
                 f"{settings.get('model')} {settings.get('dtype')}, batch {settings.get('batch')}, "
-                f"{settings.get('prompt_tokens')}-token prompts, budget {settings.get('budget')}, {_machine(document)}")
+                f"{settings.get('prompt_tokens')}-token prompts, budget {settings.get('budget')}, {_machine(document)} "
+                f"(`{name}`)")
     return read
 
 
@@ -139,9 +141,10 @@ PAPER_FIGURES: tuple[PaperFigure, ...] = (
     PaperFigure("EQUIP", "Fig. 10: StreamingLLM in vLLM over vLLM's full cache, batch 32, 4K", "7.44x",
                 "Llama-2-7B, Xeon SPR", throughput_ratio("throughput.json", "streaming", 512, "none")),
     PaperFigure("EQUIP", "Fig. 7a: end to end, in place over StreamingLLM's shift-and-append (geomean)", "1.62x",
-                "Llama models on Hugging Face, Xeon SPR", tpot_change("streaming", "streaming-shift", speedup=True)),
+                "Llama models on Hugging Face, Xeon SPR", tpot_change("tpot_equip.json", "streaming", "streaming-shift",
+                                                                           speedup=True)),
     PaperFigure("EQUIP", "Fig. 7a: end to end, in place over H2O's gather (geomean)", "4.48x",
-                "Llama models on Hugging Face, Xeon SPR", tpot_change("h2o", "h2o-gather", speedup=True)),
+                "Llama models on Hugging Face, Xeon SPR", tpot_change("tpot_equip.json", "h2o", "h2o-gather", speedup=True)),
     PaperFigure("Lazy Pruning", "Table 1: TPOT, strict (R = 1) -> lazy (R = 64)", "19.57 -> 14.37 ms",
                 "Pythia-2.8B, PG19 20K tokens, cap 2048, batch 1, GPU", lazy_pruning("tpot")),
     PaperFigure("Lazy Pruning", "Table 1: speedup over sliding-window recompute (R = 64)", "6.81x",
@@ -154,9 +157,9 @@ PAPER_FIGURES: tuple[PaperFigure, ...] = (
                 "Llama-3.2-1B, vLLM, GPU",
                 throughput_ratio("throughput_paged.json", "paged_eviction", 1024, "streaming")),
     PaperFigure("PagedEviction", "Fig. 3d: time per output token vs the full cache, budget 1024", "-10 to -12%",
-                "Llama 1B/3B/8B, vLLM, GPU", tpot_change("paged_eviction", "none")),
+                "Llama 1B/3B/8B, vLLM, GPU", tpot_change("tpot.json", "paged_eviction", "none")),
     PaperFigure("PagedEviction", "Fig. 3d: time per output token vs StreamingLLM, budget 1024",
-                "similar or slightly lower", "Llama 1B/3B/8B, vLLM, GPU", tpot_change("paged_eviction", "streaming")),
+                "similar or slightly lower", "Llama 1B/3B/8B, vLLM, GPU", tpot_change("tpot.json", "paged_eviction", "streaming")),
 )
 
 
