@@ -68,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--recompute-tokens", type=int, default=8, help="output tokens the recompute baseline is timed over (0: skip)")
     add("--recompute-stride", type=int, default=512, help="scored tokens per window of its perplexity (0: skip)")
     add("--pool-gib", type=float, default=6.0,
-        help="KV pool; every TPOT batch's prompts must fit at once (fp32 SmolLM2: 92 KiB a token)")
+        help="KV pool; every TPOT batch's prompts must fit at once (fp32 SmolLM2: 45 KiB a token)")
     add("--tiny", action="store_true", help="the tiny random model (a smoke run)")
     add("--dtype", default="float32", choices=("bfloat16", "float32"))
     add("--out", type=Path, default=Path(RESULT_STEM + ".json"))

@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--tokens", type=int, default=128, help="timed decode steps")
     add("--repeats", type=int, default=2, help="rounds, the policies taking turns in each")
     add("--pool-gib", type=float, default=4.0,
-        help="KV pool: it must hold every request's whole context under `none` (fp32 SmolLM2: 92 KiB a token), "
+        help="KV pool: it must hold every request's whole context under `none` (fp32 SmolLM2: 45 KiB a token), "
              "so that no policy is memory-bound")
     add("--tiny", action="store_true", help="the tiny random model (a smoke run)")
     add("--dtype", default="float32", choices=("bfloat16", "float32"),
