@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from vllm_kvprune.bench import results_papers
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -89,3 +91,24 @@ def test_fig_3d_and_7a_rows_come_from_the_tpot_file(tmp_path) -> None:
     for body in tpot.table(rows[:3])[1]:
         assert "| " + " | ".join(body) + " |" in section
     assert "| paged_eviction | 78.0 | 78.0 / 79.0 | -22.0% | -2.5% | - |" in section
+
+
+def test_a_shorter_original_stream_meets_r1_on_its_own_tokens() -> None:
+    """`--original-tokens`: the `positions: original` stream is compared with R = 1's first
+    chunks (the same tokens), never with R = 1's whole, longer stream."""
+    import math
+
+    from vllm_kvprune.bench import lazy_pruning
+
+    chunks = [2.0, 2.0, 3.0, 5.0]  # R = 1's mean NLL per 1024 tokens
+    strict = {"method": "streaming", "R": 1, "positions": "cache", "scored_tokens": 4096,
+              "perplexity": math.exp(sum(chunks) / 4), "nll_by_1024": chunks}
+    original = {"method": "streaming", "R": 1, "positions": "original", "scored_tokens": 2048,
+                "perplexity": math.exp(4.0), "nll_by_1024": [4.0, 4.0]}
+    odd = {"method": "streaming", "R": 8, "positions": "cache", "scored_tokens": 1000, "perplexity": 9.0}
+    rows = [strict, original, odd]
+    lazy_pruning.add_ratios(rows)
+    assert original["ppl_vs_r1"] == pytest.approx(math.exp(4.0) / math.exp(2.0))
+    assert strict["ppl_vs_r1"] == 1.0 and "ppl_vs_r1" not in odd  # 1000 tokens: not whole chunks
+    (_, original_cells, _) = lazy_pruning.table(rows)[1]
+    assert "2048" in original_cells and f"{100 * (math.exp(2.0) - 1):+.2f}%" in original_cells

@@ -65,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--repeats", type=int, default=3, help="timed runs of each (R, batch), R values taking turns")
     add("--original", action=argparse.BooleanOptionalAction, default=True,
         help="also the stream with positions: original at R = 1")
+    add("--original-tokens", type=int, default=10240,
+        help="length of that stream (0: --stream-tokens); 2K past SmolLM2's 8K context shows what StreamingLLM "
+             "warns of, and the full stream costs another half hour")
     add("--recompute-tokens", type=int, default=8, help="output tokens the recompute baseline is timed over (0: skip)")
     add("--recompute-stride", type=int, default=512, help="scored tokens per window of its perplexity (0: skip)")
     add("--pool-gib", type=float, default=6.0,
@@ -124,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     rows = merge(rows)
     add_ratios(rows)
     common.print_table(*table(rows))
-    settings = {key: getattr(args, key) for key in ("intervals", "budget", "sinks", "stream_tokens", "batches",
+    settings = {key: getattr(args, key) for key in ("intervals", "budget", "sinks", "stream_tokens", "original_tokens", "batches",
                                                     "tpot_tokens", "repeats", "recompute_tokens", "recompute_stride",
                                                     "dtype")}
     settings.update(model="tiny" if args.tiny else "smollm2-135m-instruct", run_s=round(time.time() - started, 1))
@@ -138,6 +141,7 @@ def child_flags(args: argparse.Namespace) -> list[str]:
     flags = ["--budget", str(args.budget), "--sinks", str(args.sinks), "--tpot-tokens", str(args.tpot_tokens),
              "--repeats", str(args.repeats), "--stream-tokens", str(args.stream_tokens),
              "--recompute-tokens", str(args.recompute_tokens), "--recompute-stride", str(args.recompute_stride),
+             "--original-tokens", str(args.original_tokens),
              "--dtype", args.dtype, "--pool-gib", str(args.pool_gib)]
     return flags + ["--tiny"] * args.tiny
 
@@ -152,8 +156,23 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
             entry["speedup_vs_recompute"] = base["ms"] / entry["ms"] if base and batch == "1" else None
             first = strict["tpot"].get(batch) if strict else None
             entry["speedup_vs_r1"] = first["ms"] / entry["ms"] if first else None
-        if strict and strict.get("perplexity") and row.get("perplexity"):
-            row["ppl_vs_r1"] = row["perplexity"] / strict["perplexity"]
+        base = prefix_perplexity(strict, row.get("scored_tokens")) if strict and row.get("perplexity") else None
+        if base:
+            row["ppl_vs_r1"] = row["perplexity"] / base
+
+
+def prefix_perplexity(row: dict[str, Any], scored: int | None) -> float | None:
+    """The perplexity of `row`'s stream over its first `scored` tokens: all of it, or whole
+    1024-token chunks of it (`nll_by_1024`), so that a shorter stream (`--original-tokens`)
+    meets R = 1 on the same tokens; None where that is not possible."""
+    if not row.get("perplexity") or not scored:
+        return None
+    if row.get("scored_tokens") == scored:
+        return row["perplexity"]
+    chunks = row.get("nll_by_1024") or []
+    if scored % 1024 or scored // 1024 > len(chunks) or scored > row.get("scored_tokens", 0):
+        return None
+    return math.exp(sum(chunks[:scored // 1024]) / (scored // 1024))
 
 
 # ---- a child: one engine -------------------------------------------------------------
@@ -167,6 +186,8 @@ def measure(args: argparse.Namespace, case: dict[str, Any]) -> list[dict[str, An
 
     model = str(assets.tiny_model_dir() if args.tiny else assets.real_model_dir())
     kind, stream = case["kind"], args.stream_tokens
+    if case.get("positions") == "original" and args.original_tokens:
+        stream = min(stream, args.original_tokens)
     tokens = essay_tokens(model, args.tiny, max(stream + 1, args.budget * (max(case.get("batches", [1])) + 1)))
     options: dict[str, Any] = dict(model=model, dtype=args.dtype, block_size=BLOCK_SIZE, enforce_eager=True,
                                    enable_prefix_caching=False, seed=0, logits_processors=[ForcedTokens],
@@ -322,7 +343,8 @@ def label(row: dict[str, Any]) -> str:
 def table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     batches = sorted({int(b) for row in rows for b in row.get("tpot", {})})
     headers = ["setting", *[f"TPOT ms b{b}" for b in batches], "vs recompute b1", "move ms/step b1",
-               "plan ms/step b1", "prune events b1", "perplexity", "vs R=1", "stream prune events"]
+               "plan ms/step b1", "prune events b1", "perplexity", "scored tokens", "vs R=1 (same tokens)",
+               "stream prune events"]
 
     def number(value: Any, digits: int) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
@@ -336,7 +358,7 @@ def table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
                      "-" if speed is None else f"{speed:.2f}x", number(first.get("move_ms_per_step"), 2),
                      number(first.get("plan_ms_per_step"), 2),
                      "-" if first.get("prune_events") is None else f"{first['prune_events']} / {first['steps']}",
-                     number(row.get("perplexity"), 3),
+                     number(row.get("perplexity"), 3), str(row.get("scored_tokens") or "-"),
                      f"{100 * (row['ppl_vs_r1'] - 1):+.2f}%" if row.get("ppl_vs_r1") else "-",
                      "-" if row.get("prune_events") is None else str(row["prune_events"])])
     return headers, body

@@ -7,6 +7,7 @@ and a figure nobody has measured here says so."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -199,15 +200,18 @@ def lazy_pruning_section(path: Path, doc_dir: Path) -> str:
     settings = document.get("settings", {})
     setup = (f"{settings.get('model')} {settings.get('dtype')}, `streaming` with `positions: cache`, cap "
              f"{settings.get('budget')} (sinks {settings.get('sinks')}); perplexity over a teacher-forced essay stream "
-             f"of {settings.get('stream_tokens')} tokens (one request per R, in one batch; `-`: not in this run); "
+             f"of {settings.get('stream_tokens')} tokens (one request per R, in one batch; `-`: not in this run; the "
+             f"`positions: original` stream may be shorter, and is compared with R = 1 on its own tokens); "
              f"TPOT: one engine, R set per request, the R values taking turns {settings.get('repeats')} times "
              f"(the median run shown); a run's TPOT is its mean decode step over {settings.get('tpot_tokens')} "
              f"steps, prune steps included, prompts of {settings.get('budget')} tokens. "
              f"Recompute: every output token a fresh request on the last {settings.get('budget')} tokens, its "
              f"perplexity from windows of {settings.get('budget')} tokens scoring their last "
              f"{settings.get('recompute_stride')}. Prune events and move time: the worker's own counters.")
+    rows = copy.deepcopy(document.get("results", []))
+    bench.add_ratios(rows)  # by this version's rules, whichever version wrote the file
     return sections.file_section(f"Lazy Pruning (`{path.name}`)", document, setup,
-                                 sections.markdown_table(*bench.table(document.get("results", []))), [], path, doc_dir)
+                                 sections.markdown_table(*bench.table(rows)), [], path, doc_dir)
 
 
 def tpot_section(path: Path, doc_dir: Path) -> str:
