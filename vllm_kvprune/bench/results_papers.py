@@ -120,6 +120,9 @@ def tpot_change(name: str, policy: str, over: str, speedup: bool = False) -> Our
         settings = document.get("settings", {})
         ours, theirs = rows[policy]["ms"], rows[over]["ms"]
         shown = f"{theirs / ours:.2f}x" if speedup else f"{100 * (ours / theirs - 1):+.1f}%"
+        mine, other = rows[policy].get("rounds_ms") or [ours], rows[over].get("rounds_ms") or [theirs]
+        if max(min(mine), min(other)) <= min(max(mine), max(other)):
+            shown += ", within the rounds' spread"  # their rounds overlap: not resolved by this run
         return (f"{shown} ({ours:.1f} vs {theirs:.1f} ms)",
                 f"{settings.get('model')} {settings.get('dtype')}, batch {settings.get('batch')}, "
                 f"{settings.get('prompt_tokens')}-token prompts, budget {settings.get('budget')}, {_machine(document)} "
