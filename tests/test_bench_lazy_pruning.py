@@ -92,3 +92,28 @@ def test_ratios_and_table(rows) -> None:
                                                                      / lazy["tpot"]["1"]["ms"])
     headers, body = lazy_pruning.table(found)
     assert len(body) == 3 and body[0][0] == "streaming R=1" and len(headers) == len(body[0])
+
+
+@pytest.mark.slow
+def test_the_command_writes_its_file_after_every_engine(tmp_path) -> None:
+    """The parent end to end (one child per engine): the file holds every case's rows, says how
+    many engines ran, and the shorter `positions: original` stream meets R = 1 on its tokens."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "lazy.json"
+    command = [sys.executable, "-m", "vllm_kvprune.bench", "lazy-pruning", "--tiny", "--batches", "--intervals", "1",
+               "--budget", str(BUDGET), "--stream-tokens", "256", "--original-tokens", "128", "--recompute-tokens", "0",
+               "--recompute-stride", "0", "--pool-gib", "0.5", "--out", str(out)]
+    finished = subprocess.run(command, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
+                              timeout=600)
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    document = json.loads(out.read_text())
+    assert document["settings"]["cases_done"] == "2 of 2" and out.with_suffix(".png").stat().st_size > 0
+    rows = {row["positions"]: row for row in document["results"]}
+    assert rows["cache"]["scored_tokens"] == 256 and rows["original"]["scored_tokens"] == 128
+    # Compared with R = 1's first 128 tokens, which is not its whole stream: a chunk of 1024 would
+    # be needed, so no ratio rather than a wrong one.
+    assert "ppl_vs_r1" not in rows["original"] and rows["cache"]["ppl_vs_r1"] == 1.0

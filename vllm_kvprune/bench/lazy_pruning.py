@@ -114,24 +114,29 @@ def run(args: argparse.Namespace) -> int:
         return 0
     started = time.time()
     env = {**os.environ, **common.ENGINE_ENV, "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}
-    rows: list[dict[str, Any]] = []
-    for case in cases(args):
+    settings = {key: getattr(args, key) for key in ("intervals", "budget", "sinks", "stream_tokens", "original_tokens",
+                                                    "batches", "tpot_tokens", "repeats", "recompute_tokens",
+                                                    "recompute_stride", "dtype")}
+    settings["model"] = "tiny" if args.tiny else "smollm2-135m-instruct"
+    found: list[dict[str, Any]] = []
+    all_cases = cases(args)
+    if not all_cases:
+        raise SystemExit("lazy-pruning: nothing to run (--stream-tokens 0 and no --batches)")
+    for done, case in enumerate(all_cases, 1):
         label = " ".join(f"{key} {value}" for key, value in case.items())
         print(f"[lazy-pruning] {label} ...", flush=True)
         command = [sys.executable, "-m", "vllm_kvprune.bench", "lazy-pruning", "--child", json.dumps(case),
                    *child_flags(args)]
         try:
-            rows += common.run_child(command, env, label)
+            found += common.run_child(command, env, label)
         except RuntimeError as error:
             raise SystemExit(f"lazy-pruning: {error}") from None
-    rows = merge(rows)
-    add_ratios(rows)
+        # Written after every engine: a run of hours stopped half-way keeps what it measured.
+        rows = merge(found)
+        add_ratios(rows)
+        common.write_json(args.out, "lazy_pruning", {**settings, "run_s": round(time.time() - started, 1),
+                                                     "cases_done": f"{done} of {len(all_cases)}"}, rows)
     common.print_table(*table(rows))
-    settings = {key: getattr(args, key) for key in ("intervals", "budget", "sinks", "stream_tokens", "original_tokens", "batches",
-                                                    "tpot_tokens", "repeats", "recompute_tokens", "recompute_stride",
-                                                    "dtype")}
-    settings.update(model="tiny" if args.tiny else "smollm2-135m-instruct", run_s=round(time.time() - started, 1))
-    common.write_json(args.out, "lazy_pruning", settings, rows)
     plot(rows, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and its plot")
     return 0

@@ -210,7 +210,8 @@ def lazy_pruning_section(path: Path, doc_dir: Path) -> str:
              f"steps, prune steps included, prompts of {settings.get('budget')} tokens. "
              f"Recompute: every output token a fresh request on the last {settings.get('budget')} tokens, its "
              f"perplexity from windows of {settings.get('budget')} tokens scoring their last "
-             f"{settings.get('recompute_stride')}. Prune events and move time: the worker's own counters.")
+             f"{settings.get('recompute_stride')}. Prune events and move time: the worker's own counters."
+             + (f" Engines run: {settings['cases_done']}." if "cases_done" in settings else ""))
     rows = copy.deepcopy(document.get("results", []))
     bench.add_ratios(rows)  # by this version's rules, whichever version wrote the file
     return sections.file_section(f"Lazy Pruning (`{path.name}`)", document, setup,
