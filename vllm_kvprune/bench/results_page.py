@@ -145,19 +145,15 @@ def render(results_dir: Path, page_path: Path) -> str:
         documents.append((ttft.name, sections.load(ttft)))
         parts += ["## Time to first token", results_papers.ttft_section(ttft, page_path.parent)]
 
-    tpot_runs = sorted(results_dir.glob("tpot*.json"))
-    if tpot_runs:
-        parts.append("## Time per output token (PagedEviction Fig. 3d, EQUIP Fig. 7a)")
-        for tpot in tpot_runs:
-            documents.append((tpot.name, sections.load(tpot)))
-            parts.append(results_papers.tpot_section(tpot, page_path.parent))
-
-    lazy_runs = sorted(results_dir.glob("lazy_pruning*.json"))
-    if lazy_runs:
-        parts.append("## Lazy Pruning: the prune interval R")
-        for lazy in lazy_runs:
-            documents.append((lazy.name, sections.load(lazy)))
-            parts.append(results_papers.lazy_pruning_section(lazy, page_path.parent))
+    for pattern, title, section in (
+            ("tpot*.json", "## Time per output token (PagedEviction Fig. 3d, EQUIP Fig. 7a)", results_papers.tpot_section),
+            ("lazy_pruning*.json", "## Lazy Pruning: the prune interval R", results_papers.lazy_pruning_section)):
+        runs = sorted(results_dir.glob(pattern))  # a section per run, under one heading
+        if runs:
+            parts.append(title)
+            for path in runs:
+                documents.append((path.name, sections.load(path)))
+                parts.append(section(path, page_path.parent))
 
     ray_batch = results_dir / "ray_batch.json"
     if ray_batch.is_file():
