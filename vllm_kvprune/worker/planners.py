@@ -109,6 +109,10 @@ class RowPlanner:
         return torch.tensor(self.seq_lens, dtype=torch.int32)
 
 
+# Benchmarks only: the methods' own evictions instead of EQUIP's in-place write (below).
+SHIFT_APPEND = os.environ.get("VLLM_KVPRUNE_SHIFT_APPEND", "0") == "1"
+
+
 class TokenPlanner(RowPlanner):
     """Layer-uniform policies (`streaming`): one `SlotMap` per request serves every layer.
     Evictions compact (prefill) or overwrite a victim in place (decode, EQUIP); with
@@ -119,7 +123,7 @@ class TokenPlanner(RowPlanner):
     the end, as StreamingLLM's contiguous cache does (the same tokens kept, in the same
     order as there; EQUIP's end-to-end comparison)."""
 
-    shift_and_append = os.environ.get("VLLM_KVPRUNE_SHIFT_APPEND", "0") == "1"
+    shift_and_append = SHIFT_APPEND
 
     def __init__(self, block_size: int, scores: Any = None) -> None:
         super().__init__(block_size, scores)
@@ -242,7 +246,7 @@ class HeadPlanner(RowPlanner):
     only) every head gathers its survivors to the front and appends instead, as H2O's own
     cache does."""
 
-    gather_and_append = os.environ.get("VLLM_KVPRUNE_SHIFT_APPEND", "0") == "1"
+    gather_and_append = SHIFT_APPEND
 
     def __init__(self, block_size: int, scores: Any = None) -> None:
         super().__init__(block_size, scores)
