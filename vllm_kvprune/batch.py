@@ -35,6 +35,9 @@ from typing import Any
 OUTPUT_COLUMNS = ("generated_text", "generated_token_ids", "num_prompt_tokens", "num_generated_tokens", "kv_policy",
                   "kv_blocks_held", "kv_blocks_without_policy", "kv_kept_tokens_mean", "kv_kept_tokens_max", "actor",
                   "actor_busy_seconds")
+# How long Ray Data may take to start every actor's engine (model load included) before the
+# first batch is handed out; past it the job fails naming the cause (too few resources).
+ACTORS_START_TIMEOUT_S = 3600
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -157,6 +160,7 @@ class EngineActor:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """The job; returns its summary (also written as JSON)."""
     import ray
+    import ray.data
 
     policy = policy_dict(args)
     if args.actors < 1 or args.cpus_per_actor < 1 or args.batch_size < 1:
@@ -173,6 +177,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         local_cpus = max(os.cpu_count() or 1, args.actors * args.cpus_per_actor + 1)
         ray.init(address=args.ray_address, num_cpus=None if args.ray_address else local_cpus,
                  include_dashboard=False, log_to_driver=True)
+    # Batches are handed out only once every actor's engine is up: Ray Data's default starts
+    # the pool lazily, so the first engine to come up queues several batches at once and on a
+    # short input leaves the others nothing.
+    ray.data.DataContext.get_current().wait_for_min_actors_s = ACTORS_START_TIMEOUT_S
     data = read(args.input)
     options = engine_options(args, policy)
     sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature}
