@@ -140,7 +140,7 @@ PAPER_FIGURES: tuple[PaperFigure, ...] = (
                   _TABLE6.format(b=b, h=h, d=d), kv_update_speedup("kv_update_streaming_paper.json", b, h, d))
       for b, h, d, _, streaming in _TABLE6_ROWS),
     *(PaperFigure("EQUIP", f"Table 6: KV update over H2O's, B{b} H{h} D{d}", f"{h2o}x",
-                  _TABLE6.format(b=b, h=h, d=d), kv_update_speedup("kv_update_h2o.json", b, h, d))
+                  _TABLE6.format(b=b, h=h, d=d), kv_update_speedup("kv_update_h2o_full.json", b, h, d))
       for b, h, d, h2o, _ in _TABLE6_ROWS),
     PaperFigure("EQUIP", "Fig. 10: StreamingLLM in vLLM over vLLM's full cache, batch 32, 4K", "7.44x",
                 "Llama-2-7B, Xeon SPR", throughput_ratio("throughput.json", "streaming", 512, "none")),
