@@ -24,7 +24,7 @@ CUDA_SOURCE_DIR = os.path.join("csrc", "cuda")
 
 ISA_COMPILE_ARGS: dict[str, list[str]] = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"],
-    "avx2": ["-mavx2", "-mfma"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "generic": [],
 }
 
@@ -56,7 +56,7 @@ def pick_isa(flags: set[str]) -> str:
         return "generic"
     if {"avx512f", "avx512bw", "avx512vl"} <= flags:
         return "avx512"
-    if {"avx2", "fma"} <= flags:
+    if {"avx2", "fma", "f16c"} <= flags:
         return "avx2"
     return "generic"
 

@@ -29,19 +29,10 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AVX512F__)
-// GCC 12's AVX-512 headers initialise vectors from themselves (`__m512 __Y = __Y;`) and warn
-// about it in every function of this file that inlines them (false positives, reported at
-// the header's lines, so a push/pop around the include does not reach them).
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
-#include <immintrin.h>
-#endif
 
 #include "geometry.h"
 #include "page_access.h"
+#include "vec16.h"
 
 namespace kvprune {
 namespace {
@@ -83,81 +74,70 @@ inline float exp_nonpositive(float x) {
   return p * two_k;
 }
 
-// ---- AVX-512 kernels ---------------------------------------------------------------------------
+// ---- SIMD kernels ------------------------------------------------------------------------------
 // The same computations as the portable loops of TiledPage, written with intrinsics: GCC does
 // not keep the K accumulators in registers across the key dims on its own, nor vectorise the
-// softmax reductions (float sums are not reassociated without -ffast-math).
-#if defined(__AVX512F__)
-#define KVPRUNE_AVX512_ATTENTION 1
+// softmax reductions (float sums are not reassociated without -ffast-math). They are written
+// once against Vec16 (vec16.h: 16 fp32 lanes, the tiled layouts' 16-token chunk; one AVX-512
+// register or two AVX2 ones). kMaxVectors: the Vec16s of one K tile row scored per pass.
+#if KVPRUNE_HAS_VEC16
+#define KVPRUNE_SIMD_ATTENTION 1
+constexpr int kMaxVectors = kVec16Registers == 1 ? 4 : 1;  // AVX-512: 32 registers, AVX2: 16
+#else
+#define KVPRUNE_SIMD_ATTENTION 0
+#endif
 
-// 16 consecutive elements as fp32.
-inline __m512 load16(const float* src) { return _mm512_loadu_ps(src); }
-inline __m512 load16(const c10::BFloat16* src) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-inline __m512 load16(const c10::Half* src) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
-}
-
+#if KVPRUNE_SIMD_ATTENTION
 // KP consecutive fp32 values (a dim pack of the query, a token pack of probabilities)
 // repeated over the 16 lanes, matching the KP-interleaved order of the cache rows.
 template <int KP>
-inline __m512 broadcast_pack(const float* src) {
+inline Vec16 broadcast_pack(const float* src) {
   if constexpr (KP == 1) {
-    return _mm512_set1_ps(*src);
+    return vset1(*src);
   } else {
-    double pair;
-    std::memcpy(&pair, src, sizeof(pair));
-    return _mm512_castpd_ps(_mm512_set1_pd(pair));
+    return vset_pair(src);
   }
 }
 
 // exp(x), x <= 0: the vector form of exp_nonpositive().
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 k = _mm512_roundscale_ps(
-      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512i two_k = _mm512_slli_epi32(
-      _mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(two_k));
+inline Vec16 exp_nonpositive(Vec16 x) {
+  x = vmax(x, vset1(-87.0f));
+  const Vec16 k = vfloor(vfmadd(x, vset1(1.44269504088896341f), vset1(0.5f)));
+  Vec16 r = vfnmadd(k, vset1(0.693359375f), x);
+  r = vfmadd(k, vset1(2.12194440e-4f), r);
+  Vec16 p = vset1(1.9875691500e-4f);
+  p = vfmadd(p, r, vset1(1.3981999507e-3f));
+  p = vfmadd(p, r, vset1(8.3334519073e-3f));
+  p = vfmadd(p, r, vset1(4.1665795894e-2f));
+  p = vfmadd(p, r, vset1(1.6666665459e-1f));
+  p = vfmadd(p, r, vset1(5.0000001201e-1f));
+  p = vfmadd(vmul(p, r), r, vadd(r, vset1(1.0f)));
+  return vmul(p, vexp2_int(k));
 }
 
 // In-place softmax of l[0..n).
-inline void softmax_avx512(float* l, int64_t n) {
+inline void softmax_simd(float* l, int64_t n) {
   const int64_t full = n / 16 * 16;
-  const __mmask16 tail = static_cast<__mmask16>((1u << (n - full)) - 1);
-  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t o = 0; o < full; o += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(l + o));
-  if (tail) vmax = _mm512_mask_max_ps(vmax, tail, vmax, _mm512_maskz_loadu_ps(tail, l + full));
-  const __m512 max_logit = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-  __m512 vsum = _mm512_setzero_ps();
+  const bool has_tail = n > full;
+  const Tail tail = make_tail(n - full);
+  Vec16 vmax_logit = vset1(-std::numeric_limits<float>::infinity());
+  for (int64_t o = 0; o < full; o += 16) vmax_logit = vmax(vmax_logit, vload(l + o));
+  if (has_tail) vmax_logit = vmax_tail(vmax_logit, vload_tail(l + full, tail), tail);
+  const Vec16 max_logit = vset1(vreduce_max(vmax_logit));
+  Vec16 vsum = vzero();
   for (int64_t o = 0; o < full; o += 16) {
-    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(l + o), max_logit));
-    _mm512_storeu_ps(l + o, e);
-    vsum = _mm512_add_ps(vsum, e);
+    const Vec16 e = exp_nonpositive(vsub(vload(l + o), max_logit));
+    vstore(l + o, e);
+    vsum = vadd(vsum, e);
   }
-  if (tail) {
-    const __m512 e =
-        exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, l + full), max_logit));
-    _mm512_mask_storeu_ps(l + full, tail, e);
-    vsum = _mm512_mask_add_ps(vsum, tail, vsum, e);
+  if (has_tail) {
+    const Vec16 e = exp_nonpositive(vsub(vload_tail(l + full, tail), max_logit));
+    vstore_tail(l + full, e, tail);
+    vsum = vadd_tail(vsum, e, tail);
   }
-  const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vsum));
-  for (int64_t o = 0; o < full; o += 16) {
-    _mm512_storeu_ps(l + o, _mm512_mul_ps(_mm512_loadu_ps(l + o), inverse));
-  }
-  if (tail) _mm512_mask_storeu_ps(l + full, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, l + full), inverse));
+  const Vec16 inverse = vset1(1.0f / vreduce_add(vsum));
+  for (int64_t o = 0; o < full; o += 16) vstore(l + o, vmul(vload(l + o), inverse));
+  if (has_tail) vstore_tail(l + full, vmul(vload_tail(l + full, tail), inverse), tail);
 }
 
 // Logits of NV * 16 / KP tokens of one K tile (elements [0, NV * 16) of each tile row from
@@ -167,25 +147,25 @@ inline void softmax_avx512(float* l, int64_t n) {
 template <typename elem_t, int KP, int NV, int GB>
 inline void score_vectors(const elem_t* tile, int64_t row_stride, int64_t units,
                           const float* q, int64_t D, float* out, int64_t ld) {
-  __m512 acc[GB][NV];
+  Vec16 acc[GB][NV];
   for (int g = 0; g < GB; ++g) {
-    for (int v = 0; v < NV; ++v) acc[g][v] = _mm512_setzero_ps();
+    for (int v = 0; v < NV; ++v) acc[g][v] = vzero();
   }
   for (int64_t u = 0; u < units; ++u) {
     const elem_t* row = tile + u * row_stride;
-    __m512 k[NV];
-    for (int v = 0; v < NV; ++v) k[v] = load16(row + v * 16);
+    Vec16 k[NV];
+    for (int v = 0; v < NV; ++v) k[v] = vload(row + v * 16);
     for (int g = 0; g < GB; ++g) {
-      const __m512 qu = broadcast_pack<KP>(q + g * D + u * KP);
-      for (int v = 0; v < NV; ++v) acc[g][v] = _mm512_fmadd_ps(qu, k[v], acc[g][v]);
+      const Vec16 qu = broadcast_pack<KP>(q + g * D + u * KP);
+      for (int v = 0; v < NV; ++v) acc[g][v] = vfmadd(qu, k[v], acc[g][v]);
     }
   }
   for (int g = 0; g < GB; ++g) {
     if constexpr (KP == 1) {
-      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + g * ld + v * 16, acc[g][v]);
+      for (int v = 0; v < NV; ++v) vstore(out + g * ld + v * 16, acc[g][v]);
     } else {
       float folded[NV * 16];
-      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(folded + v * 16, acc[g][v]);
+      for (int v = 0; v < NV; ++v) vstore(folded + v * 16, acc[g][v]);
       for (int t = 0; t < NV * 16 / KP; ++t) {
         float sum = 0.0f;
         for (int p = 0; p < KP; ++p) sum += folded[t * KP + p];
@@ -217,21 +197,21 @@ inline void score_heads(const elem_t* tile, int64_t row_stride, int64_t units, c
 template <typename elem_t, int VP, int NV, int GB>
 inline void value_vectors(const elem_t* rows, int64_t row_len, int64_t packs, const float* p,
                           int64_t ld, float* acc, int64_t acc_stride) {
-  __m512 a[GB][NV];
+  Vec16 a[GB][NV];
   for (int g = 0; g < GB; ++g) {
-    for (int v = 0; v < NV; ++v) a[g][v] = _mm512_loadu_ps(acc + g * acc_stride + v * 16);
+    for (int v = 0; v < NV; ++v) a[g][v] = vload(acc + g * acc_stride + v * 16);
   }
   for (int64_t pack = 0; pack < packs; ++pack) {
     const elem_t* row = rows + pack * row_len;
-    __m512 x[NV];
-    for (int v = 0; v < NV; ++v) x[v] = load16(row + v * 16);
+    Vec16 x[NV];
+    for (int v = 0; v < NV; ++v) x[v] = vload(row + v * 16);
     for (int g = 0; g < GB; ++g) {
-      const __m512 pv = broadcast_pack<VP>(p + g * ld + pack * VP);
-      for (int v = 0; v < NV; ++v) a[g][v] = _mm512_fmadd_ps(pv, x[v], a[g][v]);
+      const Vec16 pv = broadcast_pack<VP>(p + g * ld + pack * VP);
+      for (int v = 0; v < NV; ++v) a[g][v] = vfmadd(pv, x[v], a[g][v]);
     }
   }
   for (int g = 0; g < GB; ++g) {
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + g * acc_stride + v * 16, a[g][v]);
+    for (int v = 0; v < NV; ++v) vstore(acc + g * acc_stride + v * 16, a[g][v]);
   }
 }
 
@@ -249,8 +229,6 @@ inline void value_heads(const elem_t* rows, int64_t row_len, int64_t packs, cons
     }
   }
 }
-#else
-#define KVPRUNE_AVX512_ATTENTION 0
 #endif
 
 // ---- page kernels ------------------------------------------------------------------------------
@@ -267,19 +245,23 @@ struct TiledPage {
   static void scores(const elem_t* page, const PageGeometry& g, const float* q, int64_t G,
                      int64_t valid, float* logits, int64_t ld) {
     const int64_t D = g.head_size, KT = g.key_tile, units = D / KP;
-#if KVPRUNE_AVX512_ATTENTION
-    // A tile row holds KT * KP elements (a multiple of 16: KT % 16 == 0); up to 4 vectors
-    // (64 elements) are scored per pass over the key dims.
+#if KVPRUNE_SIMD_ATTENTION
+    // A tile row holds KT * KP elements (a multiple of 16: KT % 16 == 0); up to kMaxVectors
+    // vectors (64 elements on AVX-512) are scored per pass over the key dims.
     const int64_t row_stride = KT * KP;
     for (int64_t tile_start = 0; tile_start < valid; tile_start += KT) {
       const elem_t* tile = page + tile_start * D;
       const int64_t row_used = std::min(KT, valid - tile_start) * KP;  // elements to cover
       int64_t first = 0;
-      for (; first + 64 <= row_used; first += 64) {
-        score_heads<elem_t, KP, 4>(tile + first, row_stride, units, q, D, G, logits + tile_start + first / KP, ld);
+      if constexpr (kMaxVectors >= 4) {
+        for (; first + 64 <= row_used; first += 64) {
+          score_heads<elem_t, KP, 4>(tile + first, row_stride, units, q, D, G, logits + tile_start + first / KP, ld);
+        }
       }
-      for (; first + 32 <= row_used; first += 32) {
-        score_heads<elem_t, KP, 2>(tile + first, row_stride, units, q, D, G, logits + tile_start + first / KP, ld);
+      if constexpr (kMaxVectors >= 2) {
+        for (; first + 32 <= row_used; first += 32) {
+          score_heads<elem_t, KP, 2>(tile + first, row_stride, units, q, D, G, logits + tile_start + first / KP, ld);
+        }
       }
       for (; first < row_used; first += 16) {
         score_heads<elem_t, KP, 1>(tile + first, row_stride, units, q, D, G, logits + tile_start + first / KP, ld);
@@ -322,16 +304,20 @@ struct TiledPage {
     const elem_t* values_start = page + bs * D;
     for (int64_t strip = 0; strip < D / VT; ++strip) {
       const elem_t* strip_start = values_start + strip * VT * bs;
-#if KVPRUNE_AVX512_ATTENTION
+#if KVPRUNE_SIMD_ATTENTION
       if (row_len % 16 == 0) {
         const int64_t acc_stride = D * VP;
         float* a = acc + strip * row_len;
         int64_t first = 0;
-        for (; first + 64 <= row_len; first += 64) {
-          value_heads<elem_t, VP, 4>(strip_start + first, row_len, packs, p, ld, G, a + first, acc_stride);
+        if constexpr (kMaxVectors >= 4) {
+          for (; first + 64 <= row_len; first += 64) {
+            value_heads<elem_t, VP, 4>(strip_start + first, row_len, packs, p, ld, G, a + first, acc_stride);
+          }
         }
-        for (; first + 32 <= row_len; first += 32) {
-          value_heads<elem_t, VP, 2>(strip_start + first, row_len, packs, p, ld, G, a + first, acc_stride);
+        if constexpr (kMaxVectors >= 2) {
+          for (; first + 32 <= row_len; first += 32) {
+            value_heads<elem_t, VP, 2>(strip_start + first, row_len, packs, p, ld, G, a + first, acc_stride);
+          }
         }
         for (; first < row_len; first += 16) {
           value_heads<elem_t, VP, 1>(strip_start + first, row_len, packs, p, ld, G, a + first, acc_stride);
@@ -533,8 +519,8 @@ void run_row(const Problem& P, const elem_t* cache, const RowGroup& rg, const in
 
     for (int64_t gi = 0; gi < G; ++gi) {  // softmax over the n keys, in place
       float* l = logits + gi * ld;
-#if KVPRUNE_AVX512_ATTENTION
-      softmax_avx512(l, n);
+#if KVPRUNE_SIMD_ATTENTION
+      softmax_simd(l, n);
       continue;
 #endif
       float max_logit = -std::numeric_limits<float>::infinity();

@@ -10,6 +10,7 @@ from typing import Sequence
 # Subcommand modules of this package, in --help order. Registering one is one line here.
 SUBCOMMAND_MODULES: tuple[str, ...] = (
     "kv_update",
+    "attention_mass",
     "throughput",
     "ttft",
     "tpot",
