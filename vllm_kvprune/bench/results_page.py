@@ -27,7 +27,8 @@ PAPERS_ABOUT = ("Each paper's headline figures as printed, next to ours where we
                 "The sections below hold each of our runs in full.")
 # (file stem, what it shows) of the speed results on the page, in page order.
 SPEED_FILES = {
-    "kv_update": [("kv_update_streaming_2t", "streaming, 2 threads"), ("kv_update_h2o_full", "h2o on EQUIP's Table 6 grid, 2 threads"),
+    "kv_update": [("kv_update_streaming_2t", "streaming, 2 threads"),
+                  ("kv_update_h2o_full", "h2o on EQUIP's Table 6 grid, 2 threads"),
                   ("kv_update_paged_eviction_2t", "paged_eviction, 2 threads"),
                   ("kv_update_streaming_paper", "streaming on EQUIP's Table 6 grid (64/128 heads, evict 64)")],
     "throughput": [("throughput", "streaming"), ("throughput_paged", "paged_eviction"),
