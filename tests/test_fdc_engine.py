@@ -3,8 +3,9 @@
 - adaptive ranks (rate 0.1): the same greedy tokens as `reference/fdc.py`, logprobs within
   1e-3, for prompts that cross block boundaries, batched with each other;
 - every rank at the head size: the same tokens as the full-cache reference (`none`);
-- the pool: vLLM's KV-cache spec reports the narrowed per-token size, so the same bytes hold
-  proportionally more blocks (counted from the engine's own pool);
+- the pool: vLLM's KV-cache spec reports each layer's own narrowed per-token size, so the same
+  bytes hold proportionally more blocks, following the mean width over layers (counted from the
+  engine's own pool);
 - per-request overrides of a budget are refused; a calibration of another model is refused
   before the engine starts, naming the setting;
 - vLLM's compiled mode (no --enforce-eager) gives the eager run's tokens;
@@ -99,12 +100,14 @@ def test_the_pool_holds_more_narrow_blocks_for_the_same_bytes(adaptive_run, cali
     options = dict(dtype="float32", block_size=32)
     pool_bytes = KV_BLOCKS * page_bytes(tiny_model, options)
     heads = calibration.num_kv_heads
-    widest = max(int(calibration.qk_rank[layer].sum() + calibration.v_rank[layer].sum())
-                 for layer in range(calibration.num_layers))
-    narrow_head = math.ceil(widest / (2 * heads))  # the spec's head size: packed width over 2 H
-    narrow_page = 2 * 32 * heads * narrow_head * 4 * calibration.num_layers
+    # Each layer's row (its packed width) rounded up to a head size of its own: 2 H values.
+    layer_widths = [math.ceil(int(calibration.qk_rank[layer].sum() + calibration.v_rank[layer].sum()) / (2 * heads))
+                    * 2 * heads for layer in range(calibration.num_layers)]
+    assert len(set(layer_widths)) > 1  # the layers differ, so the widest would hold fewer blocks
+    narrow_page = 32 * sum(layer_widths) * 4
     pool_blocks = adaptive_run[1]
     assert pool_blocks == pool_bytes // narrow_page
+    assert pool_blocks > pool_bytes // (32 * max(layer_widths) * 4 * calibration.num_layers)
     assert pool_blocks > KV_BLOCKS  # the full-width pool of the same bytes
 
 

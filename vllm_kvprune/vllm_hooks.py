@@ -89,6 +89,8 @@ HOOKS: tuple[Hook, ...] = (
          ("available_memory", "get_needed_memory", "max_model_len", "estimate_max_model_len")),
     Hook("base", "vllm.v1.kv_cache_interface:FullAttentionSpec", "base of the capped spec"),
     Hook("read", "vllm.v1.kv_cache_interface:SlidingWindowSpec", "groups left to vLLM in hybrid models"),
+    Hook("read", "vllm.v1.kv_cache_interface:UniformTypeKVCacheSpecs",
+         "FDC: one KV-cache group of layers of different widths", attributes=("kv_cache_specs",)),
     Hook("read", "vllm.model_executor.models.utils:extract_layer_index",
          "FDC: a layer's row in the calibration, from its name", ("layer_name",)),
     Hook("override", "vllm.v1.kv_cache_interface:FullAttentionSpec.max_memory_usage_bytes",
@@ -127,6 +129,8 @@ HOOKS: tuple[Hook, ...] = (
     Hook("override", f"{_RUNNER}:CPUModelRunner.initialize_kv_cache", "binds the policy's cache group",
          ("self", "kv_cache_config")),
     Hook("override", f"{_RUNNER}:CPUModelRunner.load_model", "checks each layer's attention features",
+         ("self",)),
+    Hook("override", f"{_GPU_RUNNER}:GPUModelRunner.get_kv_cache_spec", "FDC: each layer's spec at its own width",
          ("self",)),
     Hook("override", f"{_GPU_RUNNER}:GPUModelRunner._update_states", "drops finished/preempted state",
          ("self", "scheduler_output")),
@@ -657,6 +661,14 @@ def rope_at_average(rope: Any, query: Any, first_position: int, count: int) -> A
     rotated, _ = RotaryEmbedding.forward_static(torch.zeros(query.shape[0], dtype=torch.int64), flat, None,
                                                 rope.head_size, rope.rotary_dim, averaged, rope.is_neox_style)
     return rotated.view_as(query)
+
+
+def group_spec(group: Any) -> Any:
+    """A KV-cache group's spec as the scheduler sees it: for a group of layers of one kind but
+    different widths (`UniformTypeKVCacheSpecs`, FDC's per-layer widths) its first layer's,
+    which shares the group's class, block size and heads (vLLM's scheduler does the same)."""
+    specs = getattr(group.kv_cache_spec, "kv_cache_specs", None)
+    return next(iter(specs.values())) if specs else group.kv_cache_spec
 
 
 def layer_index(layer_name: str) -> int:

@@ -8,11 +8,12 @@ Eq. 1; at the rates of `--uniform-at`, every head at the adaptive ranks' mean (t
 "without adaptive rates" ablation, the same compression); at the rates of `--qk-only-at`, Q/K cut
 at that rate and V kept whole (our measurements put most of the damage in V).
 
-Per setting: the cache a token keeps (packed, mean over layers), what vLLM's pool gives it (the
-widest layer's row), the pool's block count against `none`'s for the same bytes (tokens that
-fit), every task's score and its ratio to `none`. The 99% point is the setting with the most
-tokens in the pool whose mean hit rate over needle, key-value retrieval and arithmetic is at
-least 99% of `none`'s (FDC's constraint is on average task accuracy); perplexity is shown beside.
+Per setting: the cache a token keeps (packed, mean over layers), the pool's block count against
+`none`'s for the same bytes (tokens that fit: each layer's row rounded up to a head size of its
+own, see `worker/fdc_layers.py`), every task's score and its ratio to `none`. The 99% point is
+the setting with the most tokens in the pool whose mean hit rate over needle, key-value
+retrieval and arithmetic is at least 99% of `none`'s (FDC's constraint is on average task
+accuracy); perplexity is shown beside.
 """
 
 from __future__ import annotations

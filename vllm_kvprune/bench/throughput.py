@@ -117,11 +117,13 @@ def none_max_num_seqs(choice: str, workload: Workload, engine: EngineSettings) -
 
 
 def fdc_pool_blocks(engine: EngineSettings, pool_blocks: int) -> int:
-    """Blocks of FDC's narrowed spec that the bytes of `pool_blocks` full-width blocks hold."""
+    """Blocks of FDC's narrowed specs that the bytes of `pool_blocks` full-width blocks hold
+    (a block is as wide as the sum of the layers' own padded widths)."""
     from vllm_kvprune.worker.fdc_layers import FdcLayers
 
     layers = FdcLayers(engine.fdc, None)
-    return pool_blocks * layers.head_dim // layers.spec_head_size
+    full_width = 2 * layers.num_kv_heads * layers.head_dim * len(layers.layer_widths)
+    return pool_blocks * full_width // sum(layers.layer_widths)
 
 
 def plan_cases(args: argparse.Namespace, engine: EngineSettings) -> tuple[Case, ...]:

@@ -5,13 +5,14 @@ back).
 Per layer `l` and KV head `h` (calibration file, `vllm_kvprune.fdc.calibration`): the Q/K
 rotation `R[l, h]` cut to its first `k_h` columns, the V rotation `R_v[l, h]` cut to `k_v,h`.
 The cache stores, per token, every head's `k_h` key dims and `k_v,h` value dims side by side
-(`PackedHeads`), so a layer needs `sum_h (k_h + k_v,h)` values per token. vLLM's KV-cache spec
-has one head size for every layer, so every layer's blocks are as wide as the widest layer's
-row (`padded_width`, rounded up to a multiple of `2 * H` so it is a head size): the pool's
-memory follows the widest layer, the kernel reads only each layer's own row.
+(`PackedHeads`), so a layer needs `sum_h (k_h + k_v,h)` values per token. Each layer's spec
+gets its own head size: its row rounded up to a multiple of `2 * H` (`layer_widths`), so the
+pool's memory follows the mean width over layers (vLLM puts layers of one kind but different
+widths in one KV-cache group, `UniformTypeKVCacheSpecs`, a block's bytes the sum of theirs).
 
 Under tensor parallelism each rank narrows the KV heads it holds with their own rotations, and
-its rows are as wide as the widest rank's (`worker/tensor_parallel.py`): one page size for vLLM.
+a layer's rows are as wide as that layer's widest rank's (`worker/tensor_parallel.py`): every
+rank reports the same pages, so they agree on the number of blocks.
 """
 
 from __future__ import annotations
@@ -46,12 +47,14 @@ class FdcLayers:
         self.kv_heads = kv_head_range(calibration.num_kv_heads, rank, world_size)
         self.num_kv_heads = len(self.kv_heads)
         self.layers = [self._layer(calibration, index, self.kv_heads) for index in range(calibration.num_layers)]
-        widest = max(PackedHeads.from_ranks(calibration.qk_rank[index][list(heads)],
-                                            calibration.v_rank[index][list(heads)]).row_width
-                     for index in range(calibration.num_layers)
-                     for heads in {kv_head_range(calibration.num_kv_heads, other, world_size) for other in range(world_size)})
+        every_rank = {kv_head_range(calibration.num_kv_heads, other, world_size) for other in range(world_size)}
         granule = 2 * self.num_kv_heads
-        self.padded_width = math.ceil(widest / granule) * granule
+        # Per layer: the widest rank's packed row, rounded up to a head size.
+        self.layer_widths = [
+            math.ceil(max(PackedHeads.from_ranks(calibration.qk_rank[index][list(heads)],
+                                                 calibration.v_rank[index][list(heads)]).row_width
+                          for heads in every_rank) / granule) * granule
+            for index in range(calibration.num_layers)]
         self._query_rotations: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @staticmethod
@@ -65,14 +68,19 @@ class FdcLayers:
         v = v * (dims[: v.shape[-1]] < v_ranks[:, None]).float()[:, None, :]
         return FdcLayer(PackedHeads.from_ranks(k_ranks, v_ranks), qk.contiguous(), v.contiguous())
 
+    def layer_head_size(self, layer: int) -> int:
+        """The head size layer `layer`'s spec gets: `2 * H * head_size` values per token."""
+        return self.layer_widths[layer] // (2 * self.num_kv_heads)
+
     @property
     def spec_head_size(self) -> int:
-        """The head size vLLM's spec gets: `2 * H * head_size` values per token per block."""
-        return self.padded_width // (2 * self.num_kv_heads)
+        """The widest layer's head size: what a spec gets before it is narrowed per layer."""
+        return max(self.layer_widths) // (2 * self.num_kv_heads)
 
     def kv_fraction(self) -> float:
-        """Per-token cache size over the uncompressed one's (as the pool allocates it)."""
-        return self.spec_head_size / self.head_dim
+        """Per-token cache size over the uncompressed one's (as the pool allocates it: the
+        mean over layers of each layer's padded width)."""
+        return sum(self.layer_widths) / (len(self.layer_widths) * 2 * self.num_kv_heads * self.head_dim)
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
               slots: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,5 +136,5 @@ class FdcLayers:
 
 def blocks_of(kv_cache: torch.Tensor) -> torch.Tensor:
     """vLLM's layer cache `[num_blocks, H, block_size, 2 * head_size]` as FDC's blocks
-    `[num_blocks, block_size * padded_width]` (the same bytes: `2 H head_size = padded_width`)."""
+    `[num_blocks, block_size * width]` (the same bytes: `2 H head_size` is the layer's width)."""
     return kv_cache.view(kv_cache.shape[0], -1)

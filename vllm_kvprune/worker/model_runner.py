@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from vllm_kvprune import metrics, vllm_hooks
 from vllm_kvprune.config import policy_from_vllm_config
-from vllm_kvprune.engine.spec import FdcSpec, KVPruneSpec
+from vllm_kvprune.engine.spec import FdcSpec, KVPruneSpec, PrunedFdcSpec
 from vllm_kvprune.vllm_hooks import CPUModelRunner, SlidingWindowSpec
 from vllm_kvprune.worker import runtime, tensor_parallel
 from vllm_kvprune.worker.features import LayerFeatures, UnsupportedModelError, refusal
@@ -57,8 +58,20 @@ class KVPruneCPUModelRunner(CPUModelRunner):
                 f"{total_kv_heads} KV heads of size {next(iter(layers.values())).impl.head_size}")
         self.kv_state.fdc = fdc
         logger.info("kvprune: fdc narrows every KV head (rate %s): a token takes %.1f%% of its full cache "
-                    "(packed widths, every layer as wide as the widest)",
+                    "(packed widths, each layer's rounded up to a head size of its own)",
                     fdc.calibration.settings.get("rate"), 100 * fdc.kv_fraction())
+
+    def get_kv_cache_spec(self):
+        """vLLM's per-layer specs; under FDC each layer's head size narrowed to its own packed
+        width (the backend's spec has the widest), so the pool follows the mean width."""
+        specs = super().get_kv_cache_spec()
+        fdc = self.kv_state.fdc
+        if fdc is None:
+            return specs
+        return {name: dataclasses.replace(spec, head_size=fdc.layer_head_size(vllm_hooks.layer_index(name)),
+                                          head_size_v=fdc.layer_head_size(vllm_hooks.layer_index(name)))
+                if isinstance(spec, (FdcSpec, PrunedFdcSpec)) else spec
+                for name, spec in specs.items()}
 
     def _check_attention_features(self) -> None:
         """Refuse, in one line, a model whose attention the policy cannot honour; keep each
@@ -98,15 +111,14 @@ class KVPruneCPUModelRunner(CPUModelRunner):
         if name == "fdc":
             self._check_fdc_groups(kv_cache_config)
             return
-        groups = [index for index, group in enumerate(kv_cache_config.kv_cache_groups)
-                  if isinstance(group.kv_cache_spec, KVPruneSpec)]
-        for group in kv_cache_config.kv_cache_groups:
+        specs = [vllm_hooks.group_spec(group) for group in kv_cache_config.kv_cache_groups]
+        groups = [index for index, spec in enumerate(specs) if isinstance(spec, KVPruneSpec)]
+        for group, spec in zip(kv_cache_config.kv_cache_groups, specs):
             # Left to vLLM: sliding windows (bounded by their window); anything else would
             # run uncapped beside the policy.
-            if not isinstance(group.kv_cache_spec, (KVPruneSpec, SlidingWindowSpec)):
+            if not isinstance(spec, (KVPruneSpec, SlidingWindowSpec)):
                 raise UnsupportedModelError(
-                    f"{name}: {type(group.kv_cache_spec).__name__} layers ({list(group.layer_names)[0]}) "
-                    "are not supported")
+                    f"{name}: {type(spec).__name__} layers ({list(group.layer_names)[0]}) are not supported")
         if len(groups) != 1:
             names = [list(kv_cache_config.kv_cache_groups[i].layer_names)[0] for i in groups]
             raise UnsupportedModelError(
@@ -114,13 +126,12 @@ class KVPruneCPUModelRunner(CPUModelRunner):
                 f"{len(groups)} groups (first layers {names}); exactly one is supported")
         self.policy_group = groups[0]
         group = kv_cache_config.kv_cache_groups[self.policy_group]
-        windowed = [g for g in kv_cache_config.kv_cache_groups if isinstance(g.kv_cache_spec, SlidingWindowSpec)]
+        windowed = [(g, s) for g, s in zip(kv_cache_config.kv_cache_groups, specs) if isinstance(s, SlidingWindowSpec)]
         if windowed:
             logger.info("kvprune: %s prunes the %d full-attention layers; %d sliding-window layers (window %s) "
                         "keep vLLM's own cache", name, len(group.layer_names),
-                        sum(len(g.layer_names) for g in windowed),
-                        sorted({g.kv_cache_spec.sliding_window for g in windowed}))
-        spec = group.kv_cache_spec
+                        sum(len(g.layer_names) for g, _ in windowed), sorted({s.sliding_window for _, s in windowed}))
+        spec = specs[self.policy_group]
         self.kv_state.bind_cache(list(group.layer_names), kv_cache_config.num_blocks, spec.block_size,
                                  self.model_config.get_total_num_kv_heads(), spec.num_kv_heads)
         if isinstance(self.kv_state.scores, PagedLayers):
@@ -130,9 +141,10 @@ class KVPruneCPUModelRunner(CPUModelRunner):
     def _check_fdc_groups(kv_cache_config) -> None:
         """Every layer narrowed: one group of FDC's spec (vLLM plans its block tables)."""
         for group in kv_cache_config.kv_cache_groups:
-            if not isinstance(group.kv_cache_spec, FdcSpec):
+            spec = vllm_hooks.group_spec(group)
+            if not isinstance(spec, FdcSpec):
                 raise UnsupportedModelError(
-                    f"fdc: {type(group.kv_cache_spec).__name__} layers ({list(group.layer_names)[0]}) are not supported")
+                    f"fdc: {type(spec).__name__} layers ({list(group.layer_names)[0]}) are not supported")
 
     def _attach_voters(self, paged_layers: PagedLayers) -> None:
         """Per pruned layer: its query path for synthetic queries, and a hook on its query

@@ -190,6 +190,7 @@ class WorkerKVState:
         self.move_seconds = 0.0
         self._reported_seconds = (0.0, 0.0, 0.0)  # plan, score, move time already reported
         self._planned: list[str] = []  # requests of the steps planned since the last report
+        self._step_plan: tuple[StepRows, StepPlan] | None = None  # this step's rows and their plan
         # VLLM_KVPRUNE_CHECK=1: the last planned step's (request, block row) pairs and block size,
         # checked after the step ran (a head-wise prompt's survivors are set by its layers).
         self._to_check: tuple[list, int] | None = None
@@ -282,6 +283,10 @@ class WorkerKVState:
         rows = self.rows
         if not self.engine_config.active:
             return None
+        if self._step_plan is not None and self._step_plan[0] is rows:
+            # The group's next attention group (FDC: one per layer width) gets the same plan:
+            # planning changes the maps, so a step is planned exactly once.
+            return self._step_plan[1]
         num_reqs = len(query_start_loc) - 1
         if rows is None or len(rows.req_ids) != num_reqs:
             # An active policy never runs a step unplanned: the kernel would read and write
@@ -312,6 +317,7 @@ class WorkerKVState:
             self._to_check = ([(request_id, rows.block_rows[row].copy()) for row, request_id in enumerate(rows.req_ids)],
                               block_size)
         self.plan_seconds += time.perf_counter() - started
+        self._step_plan = (rows, plan)
         return plan
 
 
