@@ -7,6 +7,9 @@
   truly reduced width, by hand;
 - full ranks: FDC equals `none` (fp32 rounding); reduced ranks change the logits, more as the
   rate grows;
+- the pre-RoPE ablation (keys cut before RoPE at FDC's ranks): its rotations against an
+  explicit SVD of the pre-RoPE keys; at full ranks it equals `none`, at reduced ranks it differs
+  from both `none` and FDC; the command's sweep reports it;
 - the file: a round trip, and refusals of a foreign model, another format, a cut file;
 - `vllm-kvprune calibrate fdc`: writes a file and a report; bad flags exit 2 naming the flag.
 """
@@ -184,6 +187,53 @@ def test_fdc_composes_with_eviction_only_at_original_positions(model, calibrated
         BudgetedReference(model, budget=16, positions="cache", head_transform=transform)
 
 
+def test_pre_rope_rotations_match_an_explicit_svd_of_the_pre_rope_keys(model, sequences) -> None:
+    from vllm_kvprune.fdc.pre_rope import fit_pre_rope_keys
+
+    fitted = fit_pre_rope_keys(model, sequences)
+    stacked = []
+    for token_ids in sequences:
+        capture: dict = {}
+        forward_step(model, token_ids, ContiguousKVCache(2, rope="post"), torch.arange(len(token_ids)), capture=capture)
+        stacked.append(torch.stack(capture["key_pre_rope"]).double())  # [L, H, n, d]
+    keys = torch.cat(stacked, dim=2)
+    singular = torch.linalg.svdvals(keys)
+    torch.testing.assert_close(fitted.singular.double(), singular, rtol=1e-4, atol=1e-4)
+    rotation = fitted.rotation.double()
+    torch.testing.assert_close(rotation.transpose(-1, -2) @ rotation, torch.eye(16, dtype=torch.float64).expand_as(rotation),
+                               rtol=1e-5, atol=1e-5)
+    # The keys in the rotated basis have the singular values as column norms, in that order.
+    torch.testing.assert_close((keys @ rotation).norm(dim=2), singular, rtol=1e-4, atol=1e-4)
+    # Post-RoPE keys are not the pre-RoPE ones: the two fits differ.
+    assert not torch.allclose(fitted.singular, fdc.fit(model, sequences, rate=0.1).qk_singular, atol=1e-2)
+
+
+def test_keys_cut_before_rope_equal_none_at_full_rank_and_differ_from_fdc_below(model, sequences, calibrated) -> None:
+    from vllm_kvprune.fdc.evaluate import perplexity
+    from vllm_kvprune.fdc.pre_rope import PreRopeTransform, fit_pre_rope_keys
+
+    keys = fit_pre_rope_keys(model, sequences)
+    prompt = fdc.random_sequences(VOCAB, 40, 40, seed=7)[0]
+    none = _prompt_logits(BudgetedReference(model, budget=None), prompt)
+
+    def logits(calibration: fdc.FdcCalibration) -> torch.Tensor:
+        return _prompt_logits(BudgetedReference(model, budget=None,
+                                                head_transform=PreRopeTransform(calibration, keys)), prompt)
+
+    torch.testing.assert_close(logits(calibrated.with_uniform_ranks(16, 16)), none, rtol=1e-4, atol=1e-4)
+    reduced = calibrated.with_rate(0.1)
+    transform = PreRopeTransform(reduced, keys)
+    # Each head's key projector keeps exactly FDC's rank of that head.
+    traces = transform.key_projector.diagonal(dim1=-2, dim2=-1).sum(-1)
+    torch.testing.assert_close(traces, reduced.qk_rank.float(), rtol=1e-4, atol=1e-4)
+    before_rope = logits(reduced)
+    after_rope = _prompt_logits(FdcReference(model, reduced), prompt)
+    assert float((before_rope - none).abs().mean()) > 1e-3
+    assert float((before_rope - after_rope).abs().mean()) > 1e-3
+    value = perplexity(model, prompt, reduced, keys)
+    assert value == pytest.approx(perplexity(model, prompt, reduced, keys)) and value != perplexity(model, prompt, reduced)
+
+
 # ---- the file -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_file(tmp_path_factory) -> tuple:
@@ -263,6 +313,7 @@ def test_calibrate_command_refuses_an_architecture_the_reference_does_not_reprod
     (["fdc", "/nonexistent", "--out", "OUT"], "MODEL"),
     (["fdc", "MODEL_DIR", "--out", "/nonexistent/dir/x.safetensors"], "--out"),
     (["fdc", "MODEL_DIR", "--out", "OUT", "--compare", "/nonexistent.safetensors"], "--compare"),
+    (["fdc", "MODEL_DIR", "--out", "OUT", "--eval-pre-rope"], "--eval-pre-rope"),
     (["quantize"], "unknown method"),
     ([], "name the method"),
 ])
@@ -273,6 +324,20 @@ def test_calibrate_command_refuses_bad_input_with_exit_2(tiny_file, tmp_path, ar
     done = _calibrate(*args)
     assert done.returncode == 2, (done.stdout, done.stderr)
     assert named in done.stderr, done.stderr
+
+
+def test_calibrate_command_sweeps_keys_cut_before_rope(tiny_file, tmp_path) -> None:
+    model_dir = tiny_file[0]
+    report = tmp_path / "p.json"
+    done = _calibrate("fdc", str(model_dir), "--out", str(tmp_path / "p.safetensors"), "--tokens", "128",
+                      "--seq-len", "64", "--eval-tokens", "64", "--eval-rates", "0.1", "0.3", "--eval-pre-rope",
+                      "--report", str(report))
+    assert done.returncode == 0, done.stderr[-2000:]
+    points = json.loads(report.read_text())["perplexity"]["points"]
+    assert [point["rate"] for point in points] == [0.1, 0.3]
+    assert all(point["pre_rope_perplexity"] > 0 and point["pre_rope_perplexity"] != point["perplexity"]
+               for point in points)
+    assert "keys cut before RoPE" in done.stdout
 
 
 def test_calibrate_command_picks_the_largest_rate_that_meets_a_target(tiny_file, tmp_path) -> None:

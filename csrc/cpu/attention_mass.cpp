@@ -99,47 +99,6 @@ inline Vec16 broadcast_pack(const float* src) {
   }
 }
 
-// exp(x), x <= 0: the vector form of exp_nonpositive().
-inline Vec16 exp_nonpositive(Vec16 x) {
-  x = vmax(x, vset1(-87.0f));
-  const Vec16 k = vfloor(vfmadd(x, vset1(1.44269504088896341f), vset1(0.5f)));
-  Vec16 r = vfnmadd(k, vset1(0.693359375f), x);
-  r = vfmadd(k, vset1(2.12194440e-4f), r);
-  Vec16 p = vset1(1.9875691500e-4f);
-  p = vfmadd(p, r, vset1(1.3981999507e-3f));
-  p = vfmadd(p, r, vset1(8.3334519073e-3f));
-  p = vfmadd(p, r, vset1(4.1665795894e-2f));
-  p = vfmadd(p, r, vset1(1.6666665459e-1f));
-  p = vfmadd(p, r, vset1(5.0000001201e-1f));
-  p = vfmadd(vmul(p, r), r, vadd(r, vset1(1.0f)));
-  return vmul(p, vexp2_int(k));
-}
-
-// In-place softmax of l[0..n).
-inline void softmax_simd(float* l, int64_t n) {
-  const int64_t full = n / 16 * 16;
-  const bool has_tail = n > full;
-  const Tail tail = make_tail(n - full);
-  Vec16 vmax_logit = vset1(-std::numeric_limits<float>::infinity());
-  for (int64_t o = 0; o < full; o += 16) vmax_logit = vmax(vmax_logit, vload(l + o));
-  if (has_tail) vmax_logit = vmax_tail(vmax_logit, vload_tail(l + full, tail), tail);
-  const Vec16 max_logit = vset1(vreduce_max(vmax_logit));
-  Vec16 vsum = vzero();
-  for (int64_t o = 0; o < full; o += 16) {
-    const Vec16 e = exp_nonpositive(vsub(vload(l + o), max_logit));
-    vstore(l + o, e);
-    vsum = vadd(vsum, e);
-  }
-  if (has_tail) {
-    const Vec16 e = exp_nonpositive(vsub(vload_tail(l + full, tail), max_logit));
-    vstore_tail(l + full, e, tail);
-    vsum = vadd_tail(vsum, e, tail);
-  }
-  const Vec16 inverse = vset1(1.0f / vreduce_add(vsum));
-  for (int64_t o = 0; o < full; o += 16) vstore(l + o, vmul(vload(l + o), inverse));
-  if (has_tail) vstore_tail(l + full, vmul(vload_tail(l + full, tail), inverse), tail);
-}
-
 // Logits of NV * 16 / KP tokens of one K tile (elements [0, NV * 16) of each tile row from
 // `tile` on) for GB query heads at once, so each K vector is loaded and converted once:
 // acc[g][v] += (head g's dim pack u) * (tile row u). q: head g at q + g * D;
@@ -520,7 +479,7 @@ void run_row(const Problem& P, const elem_t* cache, const RowGroup& rg, const in
     for (int64_t gi = 0; gi < G; ++gi) {  // softmax over the n keys, in place
       float* l = logits + gi * ld;
 #if KVPRUNE_SIMD_ATTENTION
-      softmax_simd(l, n);
+      vsoftmax(l, n);
       continue;
 #endif
       float max_logit = -std::numeric_limits<float>::infinity();

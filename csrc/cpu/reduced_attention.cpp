@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "reduced_attention.h"
+#include "vec16.h"
 
 namespace kvprune {
 namespace {
@@ -87,8 +88,12 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-// In place: scores -> softmax(scores).
+// In place: scores -> softmax(scores). With Vec16 the shared vector form (GCC leaves the
+// portable loop's max reduction scalar: it was a sixth of a decode step).
 inline void softmax(float* scores, int64_t count) {
+#if KVPRUNE_HAS_VEC16
+  vsoftmax(scores, count);
+#else
   float peak = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : peak)
   for (int64_t j = 0; j < count; ++j) peak = std::max(peak, scores[j]);
@@ -101,16 +106,35 @@ inline void softmax(float* scores, int64_t count) {
   const float inverse = 1.f / total;
 #pragma omp simd
   for (int64_t j = 0; j < count; ++j) scores[j] *= inverse;
+#endif
 }
 
 // Register blocking: 32 lanes (two AVX-512 vectors of fp32, a whole cache line of bf16
-// keys) times up to 8 query rows, accumulated over a whole reduction before anything is
-// stored: each key or value vector loaded serves 8 rows.
+// keys) times up to 8 query rows (4 on AVX2, whose 16 registers hold 4 rows of 32 lanes),
+// accumulated over a whole reduction before anything is stored: each key or value vector
+// loaded serves that many rows.
 constexpr int64_t kLanes = 32;
+#if KVPRUNE_HAS_VEC16
+constexpr int64_t kRowsPerPass = kVec16Registers == 1 ? 8 : 4;
+#else
 constexpr int64_t kRowsPerPass = 8;
+#endif
 // Query rows a task handles together in a prefill: consecutive queries x the group, so a
 // sequence's keys are read once per tile instead of once per query.
 constexpr int64_t kTileRows = 16;
+
+// Blocks read ahead of the one being computed. A task reads one head's slice of each block
+// (a few KB, then a jump over the other heads'), which the hardware prefetcher does not follow
+// far enough: without this, loads waiting on memory were most of a decode step's time.
+constexpr int64_t kPrefetchBlocks = 2;
+
+// Asks for the `count` elements at `src` to be brought into cache, one request per line.
+template <typename T>
+inline void prefetch_span(const T* src, int64_t count) {
+  const char* bytes = reinterpret_cast<const char*>(src);
+  for (int64_t offset = 0; offset < count * static_cast<int64_t>(sizeof(T)); offset += 64)
+    __builtin_prefetch(bytes + offset);
+}
 
 // The first `count` (<= kLanes) lanes are the values at `src`. Lanes past `count` hold
 // whatever follows in the cache (the next token or head): every lane is independent and only
@@ -125,11 +149,63 @@ inline void load_lanes(const T* src, int64_t count, const T* end, float* lanes) 
   for (int64_t l = 0; l < kLanes; ++l) lanes[l] = l < count ? to_float(src[l]) : 0.f;
 }
 
+#if KVPRUNE_HAS_VEC16
+// The passes below with their accumulators in registers: 32 lanes as two Vec16 per row (GCC
+// keeps the portable loops' float arrays on the stack, a load and a store around every FMA).
+// Every cache dtype but double.
+template <typename T>
+constexpr bool kVectorPasses = !std::is_same_v<T, double>;
+
+struct Lanes {
+  Vec16 lo, hi;
+};
+
+template <typename T>
+inline Lanes load_vectors(const T* src, int64_t count, const T* end) {
+  if (src + kLanes <= end) return {vload(src), vload(src + 16)};
+  float lanes[kLanes];
+  load_lanes(src, count, end, lanes);
+  return {vload(lanes), vload(lanes + 16)};
+}
+
+// The first `count` lanes of `acc` at `dst`.
+inline void store_lanes(const Vec16* acc, int64_t count, float* dst) {
+  if (count == kLanes) {
+    vstore(dst, acc[0]);
+    vstore(dst + 16, acc[1]);
+    return;
+  }
+  float lanes[kLanes];
+  vstore(lanes, acc[0]);
+  vstore(lanes + 16, acc[1]);
+  std::memcpy(dst, lanes, count * sizeof(float));
+}
+#else
+template <typename T>
+constexpr bool kVectorPasses = false;
+#endif
+
 // ROWS rows of logits: logits[r][l] = q_r . key_l for `count` keys whose dim d sits at
 // keys[d * stride + l]; queries [ROWS, k_rank].
 template <int ROWS, typename T>
 inline void logits_pass(const float* queries, int64_t k_rank, const T* keys, int64_t stride, int64_t count,
                         const T* end, float* logits, int64_t logits_stride) {
+#if KVPRUNE_HAS_VEC16
+  if constexpr (kVectorPasses<T>) {
+    Vec16 acc[ROWS][2];
+    for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = vzero();
+    for (int64_t d = 0; d < k_rank; ++d) {
+      const Lanes key = load_vectors(keys + d * stride, count, end);
+      for (int r = 0; r < ROWS; ++r) {
+        const Vec16 q = vset1(queries[r * k_rank + d]);
+        acc[r][0] = vfmadd(q, key.lo, acc[r][0]);
+        acc[r][1] = vfmadd(q, key.hi, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < ROWS; ++r) store_lanes(acc[r], count, logits + r * logits_stride);
+    return;
+  }
+#endif
   float acc[ROWS][kLanes] = {};
   float lanes[kLanes];
   for (int64_t d = 0; d < k_rank; ++d) {
@@ -143,21 +219,56 @@ inline void logits_pass(const float* queries, int64_t k_rank, const T* keys, int
   for (int r = 0; r < ROWS; ++r) std::memcpy(logits + r * logits_stride, acc[r], count * sizeof(float));
 }
 
-// ROWS rows of outputs: out_r[d] = sum_j weights[r][j] value_j[d0 + d] over `num_keys` keys
-// (`value_of(j)` points at key j's dim d0), `dims` (<= kLanes) dims.
-template <int ROWS, typename T, typename ValueOf>
-inline void values_pass(const float* weights, int64_t weights_stride, int64_t num_keys, int64_t dims,
-                        const ValueOf& value_of, const T* end, float* const* out) {
+// ROWS rows of outputs: out_r[d] = sum_j weights[r][j] value_j[d] over `num_keys` keys, `dims`
+// (<= kLanes) dims. Key j sits in block blocks[j / block_size] at `first_value` + its place in
+// the block times `value_stride`: the keys are walked block by block, so no key costs a
+// division (one per key was a measurable share of a decode step).
+template <int ROWS, typename T>
+inline void values_pass(const float* weights, int64_t weights_stride, int64_t num_keys, int64_t dims, const T* cache,
+                        const int32_t* blocks, int64_t block_size, int64_t block_stride, int64_t first_value,
+                        int64_t value_stride, const T* end, float* const* out) {
   float acc[ROWS][kLanes] = {};
   float lanes[kLanes];
-  for (int64_t j = 0; j < num_keys; ++j) {
-    load_lanes(value_of(j), dims, end, lanes);
-    for (int r = 0; r < ROWS; ++r) {
-      const float weight = weights[r * weights_stride + j];
+#if KVPRUNE_HAS_VEC16
+  Vec16 vector_acc[ROWS][2];
+  for (int r = 0; r < ROWS; ++r) vector_acc[r][0] = vector_acc[r][1] = vzero();
+#endif
+  const int64_t num_blocks = (num_keys + block_size - 1) / block_size;
+  for (int64_t block_start = 0; block_start < num_keys; block_start += block_size) {
+    const int64_t block = block_start / block_size;
+    if (block + kPrefetchBlocks < num_blocks)
+      prefetch_span(cache + static_cast<int64_t>(blocks[block + kPrefetchBlocks]) * block_stride + first_value,
+                    block_size * value_stride);
+    const T* value = cache + static_cast<int64_t>(blocks[block]) * block_stride + first_value;
+    const int64_t block_end = std::min(num_keys, block_start + block_size);
+#if KVPRUNE_HAS_VEC16
+    if constexpr (kVectorPasses<T>) {
+      for (int64_t j = block_start; j < block_end; ++j, value += value_stride) {
+        const Lanes lanes_j = load_vectors(value, dims, end);
+        for (int r = 0; r < ROWS; ++r) {
+          const Vec16 weight = vset1(weights[r * weights_stride + j]);
+          vector_acc[r][0] = vfmadd(weight, lanes_j.lo, vector_acc[r][0]);
+          vector_acc[r][1] = vfmadd(weight, lanes_j.hi, vector_acc[r][1]);
+        }
+      }
+      continue;
+    }
+#endif
+    for (int64_t j = block_start; j < block_end; ++j, value += value_stride) {
+      load_lanes(value, dims, end, lanes);
+      for (int r = 0; r < ROWS; ++r) {
+        const float weight = weights[r * weights_stride + j];
 #pragma omp simd
-      for (int64_t l = 0; l < kLanes; ++l) acc[r][l] += weight * lanes[l];
+        for (int64_t l = 0; l < kLanes; ++l) acc[r][l] += weight * lanes[l];
+      }
     }
   }
+#if KVPRUNE_HAS_VEC16
+  if constexpr (kVectorPasses<T>) {
+    for (int r = 0; r < ROWS; ++r) store_lanes(vector_acc[r], dims, out[r]);
+    return;
+  }
+#endif
   for (int r = 0; r < ROWS; ++r) std::memcpy(out[r], acc[r], dims * sizeof(float));
 }
 
@@ -231,9 +342,13 @@ void run_task(const Task& task, const T* cache, int64_t block_size, int64_t bloc
       std::fill(outputs[r], outputs[r] + output_width, 0.f);
     }
     // Logits, kLanes keys of a block at a time: a dim of those keys, times up to 8 rows' dim.
+    const int64_t num_blocks = (num_keys + block_size - 1) / block_size;
     for (int64_t start = 0; start < num_keys; start += kLanes) {
-      const T* keys = cache + static_cast<int64_t>(blocks[start / block_size]) * block_stride + key_base +
-                      start % block_size;
+      const int64_t block = start / block_size;
+      if (start % block_size == 0 && block + kPrefetchBlocks < num_blocks)
+        prefetch_span(cache + static_cast<int64_t>(blocks[block + kPrefetchBlocks]) * block_stride + key_base,
+                      k_rank * block_size);
+      const T* keys = cache + static_cast<int64_t>(blocks[block]) * block_stride + key_base + start % block_size;
       const int64_t count = std::min(kLanes, num_keys - start);
       for (int64_t r0 = 0; r0 < rows; r0 += kRowsPerPass) {
         with_rows(std::min(kRowsPerPass, rows - r0), [&](auto rows_here) {
@@ -251,16 +366,13 @@ void run_task(const Task& task, const T* cache, int64_t block_size, int64_t bloc
     // The weighted sum, kLanes value dims at a time over every key, for up to 8 rows.
     for (int64_t d0 = 0; d0 < v_rank; d0 += kLanes) {
       const int64_t dims = std::min(kLanes, v_rank - d0);
-      const auto value_of = [&](int64_t j) {
-        return cache + static_cast<int64_t>(blocks[j / block_size]) * block_stride + value_base +
-               (j % block_size) * v_rank + d0;
-      };
       std::vector<float*> shifted(rows);
       for (int64_t r = 0; r < rows; ++r) shifted[r] = outputs[r] + d0;
       for (int64_t r0 = 0; r0 < rows; r0 += kRowsPerPass) {
         with_rows(std::min(kRowsPerPass, rows - r0), [&](auto rows_here) {
-          values_pass<decltype(rows_here)::value, T>(&logits[r0 * num_keys], num_keys, num_keys, dims, value_of,
-                                                     cache_end, &shifted[r0]);
+          values_pass<decltype(rows_here)::value, T>(&logits[r0 * num_keys], num_keys, num_keys, dims, cache, blocks,
+                                                     block_size, block_stride, value_base + d0, v_rank, cache_end,
+                                                     &shifted[r0]);
         });
       }
     }

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 // GCC 12's AVX-512 headers initialise vectors from themselves (`__m512 __Y = __Y;`) and warn
@@ -156,6 +157,51 @@ inline Vec16 vset_pair(const float* src) {
 }
 #else
 #define KVPRUNE_HAS_VEC16 0
+#endif
+
+#if KVPRUNE_HAS_VEC16
+// Written once against the operations above, for every kernel's softmax.
+// exp(x) for x <= 0 (softmax after the max is taken out): x = k ln2 + r, e^r by a degree-7
+// polynomial, 2^k written into the exponent bits.
+inline Vec16 vexp_nonpositive(Vec16 x) {
+  x = vmax(x, vset1(-87.0f));
+  const Vec16 k = vfloor(vfmadd(x, vset1(1.44269504088896341f), vset1(0.5f)));
+  Vec16 r = vfnmadd(k, vset1(0.693359375f), x);
+  r = vfmadd(k, vset1(2.12194440e-4f), r);
+  Vec16 p = vset1(1.9875691500e-4f);
+  p = vfmadd(p, r, vset1(1.3981999507e-3f));
+  p = vfmadd(p, r, vset1(8.3334519073e-3f));
+  p = vfmadd(p, r, vset1(4.1665795894e-2f));
+  p = vfmadd(p, r, vset1(1.6666665459e-1f));
+  p = vfmadd(p, r, vset1(5.0000001201e-1f));
+  p = vfmadd(vmul(p, r), r, vadd(r, vset1(1.0f)));
+  return vmul(p, vexp2_int(k));
+}
+
+// In-place softmax of l[0..n).
+inline void vsoftmax(float* l, int64_t n) {
+  const int64_t full = n / 16 * 16;
+  const bool has_tail = n > full;
+  const Tail tail = make_tail(n - full);
+  Vec16 vmax_logit = vset1(-std::numeric_limits<float>::infinity());
+  for (int64_t o = 0; o < full; o += 16) vmax_logit = vmax(vmax_logit, vload(l + o));
+  if (has_tail) vmax_logit = vmax_tail(vmax_logit, vload_tail(l + full, tail), tail);
+  const Vec16 max_logit = vset1(vreduce_max(vmax_logit));
+  Vec16 vsum = vzero();
+  for (int64_t o = 0; o < full; o += 16) {
+    const Vec16 e = vexp_nonpositive(vsub(vload(l + o), max_logit));
+    vstore(l + o, e);
+    vsum = vadd(vsum, e);
+  }
+  if (has_tail) {
+    const Vec16 e = vexp_nonpositive(vsub(vload_tail(l + full, tail), max_logit));
+    vstore_tail(l + full, e, tail);
+    vsum = vadd_tail(vsum, e, tail);
+  }
+  const Vec16 inverse = vset1(1.0f / vreduce_add(vsum));
+  for (int64_t o = 0; o < full; o += 16) vstore(l + o, vmul(vload(l + o), inverse));
+  if (has_tail) vstore_tail(l + full, vmul(vload_tail(l + full, tail), inverse), tail);
+}
 #endif
 
 }  // namespace kvprune

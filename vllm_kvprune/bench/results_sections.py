@@ -267,7 +267,8 @@ def gvote_section(path: Path, doc_dir: Path) -> str:
 FDC_CALIBRATIONS = (("fdc_calibration_random.json", "random tokens"), ("fdc_calibration_essays.json", "essays"),
                     ("fdc_calibration_v_weights.json", "random tokens, V from the weights"),
                     ("fdc_heldout_random.json", "random tokens (held-out text)"),
-                    ("fdc_heldout_essays.json", "essays (held-out text)"))
+                    ("fdc_heldout_essays.json", "essays (held-out text)"),
+                    ("fdc_pre_rope.json", "random tokens, with keys cut before RoPE"))
 
 
 # Served throughput with FDC: alone (8 requests), under streaming and paged_eviction (24 requests).
@@ -294,7 +295,11 @@ def fdc_calibration_table(found: Sequence[tuple[str, Mapping[str, Any]]]) -> str
 
 def fdc_perplexity_table(found: Sequence[tuple[str, Mapping[str, Any]]]) -> str:
     """Perplexity through the compressed cache (the reference) at each rate, adaptive and
-    uniform ranks, against `none` on the same text."""
+    uniform ranks, and keys cut before RoPE where a report has them, against `none` on the
+    same text."""
+    def ratio(value: float | None, none: float) -> str:
+        return MISSING if value is None else f"{value:.2f} ({value / none:.2f}x)"
+
     rows = []
     for label, report in found:
         sweep = report.get("perplexity")
@@ -303,11 +308,11 @@ def fdc_perplexity_table(found: Sequence[tuple[str, Mapping[str, Any]]]) -> str:
         text = f"{sweep.get('tokens')} tokens from {sweep.get('offset', 0)}"
         for point in sweep.get("points", []):
             rows.append([label, text, f"{point['rate']:g}", f"{sweep['none']:.2f}", _percent(point["kv_fraction"]),
-                         f"{point['perplexity']:.2f} ({point['perplexity'] / sweep['none']:.2f}x)",
-                         _percent(point["uniform_kv_fraction"]),
-                         f"{point['uniform_perplexity']:.2f} ({point['uniform_perplexity'] / sweep['none']:.2f}x)"])
+                         ratio(point["perplexity"], sweep["none"]), _percent(point["uniform_kv_fraction"]),
+                         ratio(point["uniform_perplexity"], sweep["none"]),
+                         ratio(point.get("pre_rope_perplexity"), sweep["none"])])
     headers = ["calibration", "essay text", "rate", "none", "KV kept", "perplexity", "uniform ranks: KV kept",
-               "perplexity"]
+               "perplexity", "keys cut before RoPE (same KV kept)"]
     return markdown_table(headers, rows)
 
 
@@ -323,8 +328,10 @@ def fdc_section(folder: Path, doc_dir: Path) -> str:
                   "SmolLM2-135M-Instruct, fp32 Hugging Face reference; ranks from one removal rate (FDC Eq. 1); "
                   "the CV is FDC's Tables 3/4 (spread of each head's largest singular value).",
                   fdc_calibration_table(found),
-                  "Perplexity of essay text through the compressed cache (reference), adaptive ranks and every "
-                  "head at the mean ranks (the paper's ablation):", fdc_perplexity_table(found)]
+                  "Perplexity of essay text through the compressed cache (reference), adaptive ranks, every "
+                  "head at the mean ranks (the paper's ablation) and, where measured, the adaptive ranks "
+                  "with each key cut before RoPE instead of after (Palu-style, `fdc/pre_rope.py`):",
+                  fdc_perplexity_table(found)]
     accuracy = folder / "accuracy.json"
     if accuracy.is_file():
         parts.append(fdc_accuracy_section(accuracy, doc_dir))
@@ -360,7 +367,7 @@ def fdc_accuracy_section(path: Path, doc_dir: Path) -> str:
              f"accuracy suite's cases (seed {settings.get('seed', MISSING)}). One calibration: "
              f"{calibration.get('tokens', MISSING)} essay tokens from token {calibration.get('essay_offset', MISSING)} "
              "(text no task reads). KV kept: the packed cache per token over the full one; pool tokens: the pool's "
-             "blocks for the same bytes over `none`'s (vLLM sizes every layer by the widest).")
+             "blocks for the same bytes over `none`'s (each layer's row rounded up to a head size of its own).")
     table = document.get("table", {})
     chosen = summary.get("at_99_percent")
     notes = [f"Largest compression at >= 99% of `none`'s mean hit rate (needle, key-value retrieval, arithmetic): "

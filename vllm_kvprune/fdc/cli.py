@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
              "that --source essays did not calibrate on)")
     add("--eval-rates", type=_rate, nargs="+", default=None,
         help="removal rates of the perplexity sweep (default: --rate only); each also with uniform ranks")
+    add("--eval-pre-rope", action="store_true",
+        help="the sweep also cuts the keys before RoPE at the same ranks (Palu-style ablation; "
+             "fits the pre-RoPE keys on the calibration tokens)")
     return parser
 
 
@@ -99,6 +102,8 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error(f"argument --eval-tokens: must be 0 or more, got {args.eval_tokens}")
     if args.eval_offset < 0:
         parser.error(f"argument --eval-offset: must be 0 or more, got {args.eval_offset}")
+    if args.eval_pre_rope and args.eval_tokens == 0:
+        parser.error("argument --eval-pre-rope: needs --eval-tokens (it is a column of the perplexity sweep)")
     if not args.out.parent.is_dir():
         parser.error(f"argument --out: folder {args.out.parent} does not exist")
     if args.compare is not None:
@@ -118,19 +123,25 @@ def _essay_sequences(model: Path, tokens: int, seq_len: int) -> list[list[int]]:
 
 
 def _evaluate(model_dir: Path, calibration: fdc.FdcCalibration, tokens: int, offset: int,
-              rates: list[float]) -> dict:
+              rates: list[float], pre_rope_sequences: list[list[int]] | None = None) -> dict:
     from vllm_kvprune.fdc.evaluate import sweep
+    from vllm_kvprune.fdc.pre_rope import fit_pre_rope_keys
     from vllm_kvprune.reference.model import load_reference_model
 
     token_ids = _essay_sequences(model_dir, offset + tokens, offset + tokens)[0][offset:]
     model = load_reference_model(str(model_dir))
-    none, points = sweep(model, calibration, token_ids, rates)
+    pre_rope = None if pre_rope_sequences is None else fit_pre_rope_keys(model, pre_rope_sequences)
+    none, points = sweep(model, calibration, token_ids, rates, pre_rope)
     print(f"perplexity of {len(token_ids)} essay tokens: none {none:.3f}")
-    print("  rate  KV kept  perplexity (vs none) | uniform ranks: KV kept  perplexity (vs none)")
+    print("  rate  KV kept  perplexity (vs none) | uniform ranks: KV kept  perplexity (vs none)"
+          + (" | keys cut before RoPE: perplexity (vs none)" if pre_rope is not None else ""))
     for point in points:
-        print(f"  {point.rate:4.2f}  {point.kv_fraction:7.1%}  {point.perplexity:10.3f} ({point.perplexity / none:5.3f}x) |"
-              f"                {point.uniform_kv_fraction:7.1%}  {point.uniform_perplexity:10.3f} "
-              f"({point.uniform_perplexity / none:5.3f}x)")
+        line = (f"  {point.rate:4.2f}  {point.kv_fraction:7.1%}  {point.perplexity:10.3f} ({point.perplexity / none:5.3f}x) |"
+                f"                {point.uniform_kv_fraction:7.1%}  {point.uniform_perplexity:10.3f} "
+                f"({point.uniform_perplexity / none:5.3f}x)")
+        if point.pre_rope_perplexity is not None:
+            line += f" | {point.pre_rope_perplexity:10.3f} ({point.pre_rope_perplexity / none:5.3f}x)"
+        print(line)
     return {"tokens": len(token_ids), "offset": offset, "none": none, "points": [dataclasses.asdict(point) for point in points]}
 
 
@@ -196,8 +207,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         report["target_search"] = {"target": search.target, "none": search.none, "rate": search.rate,
                                    "tried": [{"rate": r, "perplexity": p, "kv_fraction": f} for r, p, f in search.tried]}
     if args.eval_tokens > 0 and search is None:
+        pre_rope_sequences = None
+        if args.eval_pre_rope:  # the calibration's own tokens, as FDC's rotations were fitted on
+            pre_rope_sequences = sequences or fdc.random_sequences(
+                json.loads((model / "config.json").read_text())["vocab_size"], args.tokens, args.seq_len, args.seed)
         report["perplexity"] = _evaluate(model, result, args.eval_tokens, args.eval_offset,
-                                         args.eval_rates or [rate])
+                                         args.eval_rates or [rate], pre_rope_sequences)
     if args.report is not None:
         args.report.write_text(json.dumps(report, indent=1))
         print(f"wrote {args.report}")

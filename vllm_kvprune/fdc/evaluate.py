@@ -1,6 +1,7 @@
 """How much FDC costs in accuracy, on the plain-PyTorch reference: perplexity of essay text
 through the compressed cache against `none`, over removal rates, with the paper's "without
-adaptive rates" ablation (every head at the mean ranks) at each rate's compression."""
+adaptive rates" ablation (every head at the mean ranks) at each rate's compression and, if
+asked, the pre-RoPE ablation (keys cut before RoPE at the same ranks, `fdc/pre_rope.py`)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,23 @@ from typing import Sequence
 import torch
 
 from vllm_kvprune.fdc.calibration import FdcCalibration
+from vllm_kvprune.fdc.pre_rope import PreRopeKeys, PreRopeTransform
 
 
-def perplexity(model: torch.nn.Module, token_ids: Sequence[int], calibration: FdcCalibration | None = None) -> float:
-    """Perplexity of ``token_ids`` (one sequence, fp32) with the full cache or under FDC."""
+def perplexity(model: torch.nn.Module, token_ids: Sequence[int], calibration: FdcCalibration | None = None,
+               pre_rope: PreRopeKeys | None = None) -> float:
+    """Perplexity of ``token_ids`` (one sequence, fp32) with the full cache, under FDC, or with
+    FDC's ranks cut before RoPE (``pre_rope``)."""
     from vllm_kvprune.reference.fdc import FdcReference
     from vllm_kvprune.reference.budgeted import BudgetedReference
 
-    reference = BudgetedReference(model, budget=None) if calibration is None else FdcReference(model, calibration)
+    if calibration is None:
+        reference = BudgetedReference(model, budget=None)
+    elif pre_rope is not None:
+        device = next(model.parameters()).device
+        reference = BudgetedReference(model, budget=None, head_transform=PreRopeTransform(calibration, pre_rope, device))
+    else:
+        reference = FdcReference(model, calibration)
     logprobs = reference.generate(list(token_ids), 0, prompt_logprobs=True).prompt_logprobs[1:]
     return math.exp(-sum(logprobs) / len(logprobs))
 
@@ -30,17 +40,20 @@ class SweepPoint:
     perplexity: float
     uniform_perplexity: float  # every head at this rate's mean ranks (same compression, rounded)
     uniform_kv_fraction: float
+    pre_rope_perplexity: float | None = None  # the adaptive ranks, keys cut before RoPE (same KV kept)
 
 
 def sweep(model: torch.nn.Module, calibration: FdcCalibration, token_ids: Sequence[int],
-          rates: Sequence[float]) -> tuple[float, list[SweepPoint]]:
-    """`none`'s perplexity and, per removal rate, FDC's with adaptive and with uniform ranks."""
+          rates: Sequence[float], pre_rope: PreRopeKeys | None = None) -> tuple[float, list[SweepPoint]]:
+    """`none`'s perplexity and, per removal rate, FDC's with adaptive and with uniform ranks,
+    and with the adaptive ranks cut before RoPE if ``pre_rope`` is given."""
     points = []
     for rate in rates:
         adaptive = calibration.with_rate(rate)
         uniform = calibration.with_uniform_ranks_like(adaptive)
+        before_rope = None if pre_rope is None else perplexity(model, token_ids, adaptive, pre_rope)
         points.append(SweepPoint(rate, adaptive.kv_fraction(), perplexity(model, token_ids, adaptive),
-                                 perplexity(model, token_ids, uniform), uniform.kv_fraction()))
+                                 perplexity(model, token_ids, uniform), uniform.kv_fraction(), before_rope))
     return perplexity(model, token_ids), points
 
 

@@ -157,7 +157,13 @@ def default_isa(dtype: torch.dtype, block_size: int, head_size: int) -> str:
     """The ISA vLLM's CPU backend picks for this cache shape on this machine."""
     from vllm_kvprune import vllm_hooks
 
-    return vllm_hooks.attention_isa(dtype, block_size, head_size)
+    isa = vllm_hooks.attention_isa(dtype, block_size, head_size)
+    if isa == "amx":
+        # AMX tiles need the process's permission (Linux arch_prctl), which torch requests here.
+        # An engine's worker has it from oneDNN's first bf16 GEMM; a process that calls vLLM's
+        # kernel before any such GEMM (a bench, a test) dies of SIGILL without it.
+        torch.cpu._init_amx()
+    return isa
 
 
 def layout_for_cache(kv_cache: torch.Tensor, isa: str | None = None) -> CacheLayout:

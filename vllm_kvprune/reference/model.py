@@ -163,10 +163,13 @@ class StepOutput:
 
 
 class HeadTransform:
-    """What :func:`forward_step` lets a method change around attention, per layer: the
-    post-RoPE queries ``[Hq, q, d]``, keys and values ``[Hkv, q, d]`` before they are used and
-    cached (:meth:`project`), and the attention output ``[Hq, q, d]`` before ``o_proj``
-    (:meth:`restore`)."""
+    """What :func:`forward_step` lets a method change around attention, per layer: the keys
+    ``[Hkv, q, d]`` before RoPE (:meth:`project_pre_rope`), the post-RoPE queries ``[Hq, q, d]``,
+    keys and values ``[Hkv, q, d]`` before they are used and cached (:meth:`project`), and the
+    attention output ``[Hq, q, d]`` before ``o_proj`` (:meth:`restore`)."""
+
+    def project_pre_rope(self, layer: int, k: torch.Tensor) -> torch.Tensor:
+        return k
 
     def project(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         return q, k, v
@@ -265,10 +268,12 @@ def forward_step(
     ``capture`` (optional dict): filled with ``"q_input"``, per layer the input of ``q_proj``
     (``input_layernorm(h)``, ``[q, hidden]``), ``"query"``, per layer the post-RoPE query
     ``[Hq, q, head_dim]``, and with a ``rope="post"`` cache ``"key"`` and ``"value"``, per layer
-    the new tokens' post-RoPE keys and values ``[Hkv, q, head_dim]``.
-    ``head_transform`` (optional, ``rope="post"`` caches only): changes each layer's post-RoPE
-    queries, keys and values before the keys and values are cached, and the attention output
-    before ``o_proj`` (FDC's rotations, :mod:`vllm_kvprune.reference.fdc`).
+    the new tokens' post-RoPE keys and values ``[Hkv, q, head_dim]``, and ``"key_pre_rope"``,
+    their keys before RoPE.
+    ``head_transform`` (optional, ``rope="post"`` caches only): changes each layer's keys before
+    RoPE, its post-RoPE queries, keys and values before the keys and values are cached, and the
+    attention output before ``o_proj`` (FDC's rotations, :mod:`vllm_kvprune.reference.fdc`; the
+    pre-RoPE ablation, :mod:`vllm_kvprune.fdc.pre_rope`).
     """
     dec = _decoder(model)
     device = dec.embed_tokens.weight.device
@@ -286,6 +291,7 @@ def forward_step(
         raise ValueError("key_keep needs one mask per layer")
     if capture is not None:
         capture["q_input"], capture["query"], capture["key"], capture["value"] = [], [], [], []
+        capture["key_pre_rope"] = []
     if head_transform is not None and cache.rope != "post":
         raise ValueError("head_transform needs a post-RoPE cache (keys rotated once, when written)")
     if cache.rope == "pre":
@@ -314,6 +320,10 @@ def forward_step(
             capture["q_input"].append(x)
             capture["query"].append(q)
         if cache.rope == "post":
+            if capture is not None:
+                capture["key_pre_rope"].append(k)
+            if head_transform is not None:
+                k = head_transform.project_pre_rope(layer_idx, k)
             k = rotate(k, cos_q, sin_q)
             if capture is not None:
                 capture["key"].append(k)

@@ -13,8 +13,8 @@ same scheduler output, over the same block-table rows. So:
   merged here first: a head-page request needs as many blocks as its widest rank lays out
   (each rank packs its own heads' kept tokens into the same blocks), a request failed on any
   rank fails, kept tokens average over the ranks' heads;
-- **fdc** narrows each rank's own heads with their own rotations; every rank's pages are as
-  wide as the widest rank's, so vLLM sees one page size.
+- **fdc** narrows each rank's own heads with their own rotations; a layer's pages are as wide
+  as that layer's widest rank's, so every rank sizes the same pool.
 """
 
 from __future__ import annotations
