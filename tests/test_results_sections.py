@@ -193,8 +193,14 @@ def test_fdc_section_shows_every_calibration_and_sweep_point() -> None:
         assert row[3] == f"{report['kv_fraction']:.1%}"
     points = [(label, point) for label, report in found for point in (report.get("perplexity") or {}).get("points", [])]
     assert len(sweep_table) - 2 == len(points) > 0
+    none_of = {label: report["perplexity"]["none"] for label, report in found if report.get("perplexity")}
     for row, (label, point) in zip(sweep_table[2:], points):
         assert row[0] == label and row[5].startswith(f"{point['perplexity']:.2f} (")
+        # The pre-RoPE column: the measured value where a report has it, "-" elsewhere.
+        before_rope = point.get("pre_rope_perplexity")
+        expected = "-" if before_rope is None else f"{before_rope:.2f} ({before_rope / none_of[label]:.2f}x)"
+        assert row[8] == expected
+    assert any(point.get("pre_rope_perplexity") for _, point in points)
     attention = json.loads((folder / "attention.json").read_text())
     assert [row[0] for row in attention_table[2:]] == [row["case"] for row in attention["results"]]
     for link in IMAGE.findall(rendered):
