@@ -68,10 +68,13 @@ class KVPruneCPUModelRunner(CPUModelRunner):
         fdc = self.kv_state.fdc
         if fdc is None:
             return specs
-        return {name: dataclasses.replace(spec, head_size=fdc.layer_head_size(vllm_hooks.layer_index(name)),
-                                          head_size_v=fdc.layer_head_size(vllm_hooks.layer_index(name)))
-                if isinstance(spec, (FdcSpec, PrunedFdcSpec)) else spec
-                for name, spec in specs.items()}
+        narrowed = {}
+        for name, spec in specs.items():
+            if isinstance(spec, (FdcSpec, PrunedFdcSpec)):
+                size = fdc.layer_head_size(vllm_hooks.layer_index(name))
+                spec = dataclasses.replace(spec, head_size=size, head_size_v=size)
+            narrowed[name] = spec
+        return narrowed
 
     def _check_attention_features(self) -> None:
         """Refuse, in one line, a model whose attention the policy cannot honour; keep each
