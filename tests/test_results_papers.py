@@ -114,3 +114,15 @@ def test_a_shorter_original_stream_meets_r1_on_its_own_tokens() -> None:
     assert strict["ppl_vs_r1"] == 1.0 and "ppl_vs_r1" not in odd  # 1000 tokens: not whole chunks
     (_, original_cells, _) = lazy_pruning.table(rows)[1]
     assert "2048" in original_cells and f"{100 * (math.exp(2.0) - 1):+.2f}%" in original_cells
+
+
+@pytest.mark.parametrize("path", sorted(RESULTS.glob("attention_mass*.json")), ids=lambda path: path.name)
+def test_attention_mass_section_shows_every_case_and_the_build(path: Path, tmp_path) -> None:
+    document = json.loads(path.read_text())
+    text = results_papers.attention_mass_section(path, tmp_path)
+    assert f"extension built for **{document['settings']['extension_isa']}**" in text
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| case")]
+    assert len(rows) == len(document["results"]) > 0
+    for line, result in zip(rows, document["results"]):
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        assert cells[:2] == [result["case"], result["dtype"]] and cells[4] == f"{result['median_ms']:.2f}"

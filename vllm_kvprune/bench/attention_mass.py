@@ -69,6 +69,13 @@ def _case(args: argparse.Namespace, dtype_name: str, prefill: bool):
     return call, layout
 
 
+def table(results: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """Headers and one row per timed case (the printed table and the results page's)."""
+    headers = ["case", "dtype", "queries x keys", "cache layout", "median ms", "p25-p75 ms"]
+    return headers, [[r["case"], r["dtype"], f"{r['queries']} x {r['keys']}", r["cache_layout"],
+                      f"{r['median_ms']:.2f}", f"{r['p25_ms']:.2f}-{r['p75_ms']:.2f}"] for r in results]
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -86,9 +93,7 @@ def run(args: argparse.Namespace) -> int:
                             "cache_layout": layout.isa, "median_ms": timing["median"] / 1000,
                             "p25_ms": timing["p25"] / 1000, "p75_ms": timing["p75"] / 1000})
     isa = kernels.extension_isa() or "torch fallback (no extension)"
-    headers = ["case", "dtype", "queries x keys", "cache layout", "median ms", "p25-p75 ms"]
-    common.print_table(headers, [[r["case"], r["dtype"], f"{r['queries']} x {r['keys']}", r["cache_layout"],
-                                  f"{r['median_ms']:.2f}", f"{r['p25_ms']:.2f}-{r['p75_ms']:.2f}"] for r in results])
+    common.print_table(*table(results))
     print(f"extension built for: {isa}; {torch.get_num_threads()} threads")
     settings = {key: value for key, value in vars(args).items() if key not in ("out", "run", "command")}
     settings.update(extension_isa=isa, threads=torch.get_num_threads())

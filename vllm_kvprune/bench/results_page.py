@@ -148,7 +148,11 @@ def render(results_dir: Path, page_path: Path) -> str:
 
     for pattern, title, section in (
             ("tpot*.json", "## Time per output token (PagedEviction Fig. 3d, EQUIP Fig. 7a)", results_papers.tpot_section),
-            ("lazy_pruning*.json", "## Lazy Pruning: the prune interval R", results_papers.lazy_pruning_section)):
+            ("lazy_pruning*.json", "## Lazy Pruning: the prune interval R", results_papers.lazy_pruning_section),
+            ("attention_mass*.json", "## H2O's attention-mass kernel, by extension build\n\n"
+             "`attention_mass_avx2_portable.json` is the AVX2 build before the kernel's vector code "
+             "(`Vec16`, `csrc/cpu/vec16.h`), kept to compare with.",
+             results_papers.attention_mass_section)):
         runs = sorted(results_dir.glob(pattern))  # a section per run, under one heading
         if runs:
             parts.append(title)

@@ -195,6 +195,23 @@ def ttft_section(path: Path, doc_dir: Path) -> str:
                                  sections.markdown_table(*ttft.table(document.get("results", []))), [], path, doc_dir)
 
 
+def attention_mass_section(path: Path, doc_dir: Path) -> str:
+    """`bench attention-mass`: H2O's mass kernel alone, for the extension build that ran it."""
+    from vllm_kvprune.bench import attention_mass
+
+    document = sections.load(path)
+    settings = document.get("settings", {})
+    setup = (f"H2O's attention-mass kernel alone, extension built for **{settings.get('extension_isa')}**, "
+             f"{settings.get('threads')} threads, {_machine(document)}: a prompt's mass ({settings.get('prompt_tokens')} "
+             f"causal queries, mass only) and a decode step's ({settings.get('batch')} requests of "
+             f"{settings.get('keys')} keys, attention and mass in one pass); {settings.get('kv_heads')} KV heads of "
+             f"{settings.get('group')} query heads, head {settings.get('head_size')}, block "
+             f"{settings.get('block_size')}; median of {settings.get('repeats')} calls.")
+    return sections.file_section(f"attention_mass (`{path.name}`)", document, setup,
+                                 sections.markdown_table(*attention_mass.table(document.get("results", []))), [],
+                                 path, doc_dir)
+
+
 def lazy_pruning_section(path: Path, doc_dir: Path) -> str:
     """`bench lazy-pruning`: every R (and the baselines) with TPOT, perplexity, prune events, moves."""
     from vllm_kvprune.bench import lazy_pruning as bench
