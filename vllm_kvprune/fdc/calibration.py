@@ -32,7 +32,7 @@ import functools
 import hashlib
 import json
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -251,21 +251,33 @@ def value_rotations(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]
     return torch.stack(rotations).float(), torch.stack(singulars).float()
 
 
+def captures(model: torch.nn.Module, sequences: Iterable[list[int]],
+             progress: Callable[[int], None] | None = None) -> Iterator[dict]:
+    """Each sequence run through the reference forward (fp32, post-RoPE cache), as the
+    per-layer queries, keys (after and before RoPE) and values it captured; one at a time, so
+    only one sequence's activations are held."""
+    from vllm_kvprune.reference.model import ContiguousKVCache, forward_step
+
+    decoder = model.model if hasattr(model, "model") else model
+    for token_ids in sequences:
+        capture: dict = {}
+        forward_step(model, token_ids, ContiguousKVCache(len(decoder.layers), rope="post"),
+                     torch.arange(len(token_ids)), capture=capture)
+        yield capture
+        if progress is not None:
+            progress(len(token_ids))
+
+
 def grams(model: torch.nn.Module, sequences: Iterable[list[int]],
           progress: Callable[[int], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per layer and KV head (float64): ``XᵀX``, ``X`` the post-RoPE keys of the head stacked
     with the post-RoPE queries of its GQA group, and ``VᵀV``, ``V`` the head's values, over
     every token of ``sequences``."""
-    from vllm_kvprune.reference.model import ContiguousKVCache, forward_step
-
     decoder = model.model if hasattr(model, "model") else model
     num_layers = len(decoder.layers)
     qk: torch.Tensor | None = None
     values: torch.Tensor | None = None
-    for token_ids in sequences:
-        capture: dict = {}
-        cache = ContiguousKVCache(num_layers, rope="post")
-        forward_step(model, token_ids, cache, torch.arange(len(token_ids)), capture=capture)
+    for capture in captures(model, sequences, progress):
         for layer, (query, key, value) in enumerate(zip(capture["query"], capture["key"], capture["value"])):
             kv_heads, _, head_dim = key.shape
             group = query.shape[0] // kv_heads
@@ -276,9 +288,6 @@ def grams(model: torch.nn.Module, sequences: Iterable[list[int]],
                 values = torch.zeros_like(qk)
             qk[layer] += rows.transpose(1, 2) @ rows
             values[layer] += value.double().transpose(1, 2) @ value.double()
-        del cache, capture
-        if progress is not None:
-            progress(len(token_ids))
     if qk is None:
         raise ValueError("no tokens to calibrate on")
     return qk, values

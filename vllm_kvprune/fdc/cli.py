@@ -169,7 +169,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     model = Path(args.model)
     rate = fdc.DEFAULT_RATE if args.rate is None else args.rate
-    sequences = _essay_sequences(model, args.tokens, args.seq_len) if args.source == "essays" else None
+    # Made here, not inside `calibrate`, so the pre-RoPE ablation fits on the very same tokens.
+    sequences = (_essay_sequences(model, args.tokens, args.seq_len) if args.source == "essays" else
+                 fdc.random_sequences(json.loads((model / "config.json").read_text())["vocab_size"], args.tokens,
+                                      args.seq_len, args.seed))
     with tqdm(total=args.tokens, desc="calibrating", unit="tok", dynamic_ncols=True) as bar:
         result = fdc.calibrate(model, tokens=args.tokens, seq_len=args.seq_len, seed=args.seed, rate=rate,
                                sequences=sequences, source=args.source, progress=bar.update,
@@ -207,12 +210,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         report["target_search"] = {"target": search.target, "none": search.none, "rate": search.rate,
                                    "tried": [{"rate": r, "perplexity": p, "kv_fraction": f} for r, p, f in search.tried]}
     if args.eval_tokens > 0 and search is None:
-        pre_rope_sequences = None
-        if args.eval_pre_rope:  # the calibration's own tokens, as FDC's rotations were fitted on
-            pre_rope_sequences = sequences or fdc.random_sequences(
-                json.loads((model / "config.json").read_text())["vocab_size"], args.tokens, args.seq_len, args.seed)
         report["perplexity"] = _evaluate(model, result, args.eval_tokens, args.eval_offset,
-                                         args.eval_rates or [rate], pre_rope_sequences)
+                                         args.eval_rates or [rate], sequences if args.eval_pre_rope else None)
     if args.report is not None:
         args.report.write_text(json.dumps(report, indent=1))
         print(f"wrote {args.report}")

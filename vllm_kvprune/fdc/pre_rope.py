@@ -24,7 +24,7 @@ from typing import Iterable
 
 import torch
 
-from vllm_kvprune.fdc.calibration import FdcCalibration, _descending_eigh
+from vllm_kvprune.fdc.calibration import FdcCalibration, _descending_eigh, captures
 from vllm_kvprune.reference.fdc import FdcTransform
 
 
@@ -39,14 +39,8 @@ class PreRopeKeys:
 
 def fit_pre_rope_keys(model: torch.nn.Module, sequences: Iterable[list[int]]) -> PreRopeKeys:
     """The pre-RoPE key rotations of a loaded Hugging Face model over ``sequences``."""
-    from vllm_kvprune.reference.model import ContiguousKVCache, forward_step
-
-    decoder = model.model if hasattr(model, "model") else model
     gram: torch.Tensor | None = None
-    for token_ids in sequences:
-        capture: dict = {}
-        cache = ContiguousKVCache(len(decoder.layers), rope="post")
-        forward_step(model, token_ids, cache, torch.arange(len(token_ids)), capture=capture)
+    for capture in captures(model, sequences):
         keys = torch.stack(capture["key_pre_rope"]).double()  # [L, H, n, d]
         step = keys.transpose(-1, -2) @ keys
         gram = step if gram is None else gram + step
