@@ -74,7 +74,7 @@ def test_policies_run_more_requests_at_once_when_memory_bound(quick_results: tup
 def test_budget_free_policy_is_matched_and_summarised() -> None:
     """A budget-free policy's row: `h2o` gets the budget whose cap is its measured mean blocks,
     and the summary (and the page) state both ratios and the memory share."""
-    from vllm_kvprune.bench import results_sections, throughput
+    from vllm_kvprune.bench import results_sections, throughput, throughput_report
     from vllm_kvprune.config import KVPolicyConfig
 
     for mean_blocks in (1.2, 17.0, 65.4, 65.6):
@@ -86,15 +86,36 @@ def test_budget_free_policy_is_matched_and_summarised() -> None:
         return {"setting": MEMORY_BOUND, "policy": policy, "budget": budget, "tokens_per_s": tokens_per_s,
                 "mean_request_blocks": mean_blocks, "matched_to": matched_to}
 
-    rows = throughput.with_ratios([row("none", None, 60.0, 68.0), row("gvote", None, 66.0, 51.0),
-                                   row("h2o", 1631, 54.0, 51.0, matched_to="gvote")])
-    found = throughput.summary(rows)["budget_free"]["gvote"]
+    rows = throughput_report.with_ratios([row("none", None, 60.0, 68.0), row("gvote", None, 66.0, 51.0),
+                                          row("h2o", 1631, 54.0, 51.0, matched_to="gvote")])
+    found = throughput_report.summary(rows)["budget_free"]["gvote"]
     assert found["ratio_vs_none"] == pytest.approx(1.1)
     assert found["blocks_vs_none"] == pytest.approx(0.75)
     assert (found["matched_policy"], found["matched_budget"]) == ("h2o", 1631)
     assert found["matched_ratio_vs_none"] == pytest.approx(0.9)
-    lines = results_sections.throughput_targets(throughput.summary(rows))
+    lines = results_sections.throughput_targets(throughput_report.summary(rows))
     assert lines == ["memory-bound, gvote vs none: 1.10x at 75% of none's mean blocks per request; "
                      "h2o at that memory (budget 1631): 0.90x"]
-    headers, body = throughput.table_cells(rows)
+    headers, body = throughput_report.table_cells(rows)
     assert [cells[headers.index("at the memory of")] for cells in body] == ["-", "-", "gvote"]
+
+
+def test_none_requests_times_whole_waves_only() -> None:
+    """`--none-requests`: `none` runs fewer of the same requests, in whole waves of those that
+    fit at once, while every policy runs them all; a part wave is refused, naming the flag."""
+    from vllm_kvprune.bench import results_sections, throughput
+
+    argv = ["--requests", "32", "--gen-tokens", "4096", "--pool-blocks", "576", "--budgets", "512",
+            "--policies", "streaming", "--overhead-requests", "0"]
+    plan = throughput.build_plan(throughput.parse_args([*argv, "--none-requests", "8"]))
+    none, streaming = plan.cases
+    # 132 blocks per whole request: 4 fit in 575, so 8 requests are two whole waves.
+    assert (none.policy, none.workload.num_requests, none.max_num_seqs) == ("none", 8, 4)
+    assert (streaming.policy, streaming.workload.num_requests) == ("streaming", 32)
+    assert throughput.memory_bound_workload(plan).num_requests == 32
+    settings = {"memory_bound": {"num_requests": 32}, "none_requests": 8}
+    assert "8 of them" in results_sections.none_requests_text(settings)
+    assert results_sections.none_requests_text({**settings, "none_requests": 32}) == ""
+    for wrong in (["--none-requests", "6"], ["--none-requests", "0"], ["--none-requests", "8", "--none-max-seqs", "4"]):
+        with pytest.raises(SystemExit, match="--none-requests"):
+            throughput.build_plan(throughput.parse_args([*argv, *wrong]))

@@ -2,7 +2,7 @@
 
 Each function returns Markdown text without a `##` heading of its own (the page adds those);
 per-file sections start with a `###` heading. Tables reuse the benchmark modules' own table
-code (`kv_update.table_rows`, `throughput.table_cells`), so the page shows exactly the numbers
+code (`kv_update.table_rows`, `throughput_report.table_cells`), so the page shows exactly the numbers
 the benchmarks print. Files written by older versions of a benchmark lack some keys: those
 show as "-" instead of failing the page.
 """
@@ -157,8 +157,8 @@ OPTIONAL_THROUGHPUT_COLUMNS = ("plan share", "score share", "mean blocks/req", "
 
 
 def throughput_table(rows: list[dict[str, Any]]) -> str:
-    """`throughput.table_cells`, without the optional columns no row of this file has."""
-    from vllm_kvprune.bench import throughput
+    """`throughput_report.table_cells`, without the optional columns no row of this file has."""
+    from vllm_kvprune.bench import throughput_report as throughput
 
     headers, body = throughput.table_cells(rows)
     key_of = {header: key for header, key, _ in throughput.TABLE_COLUMNS}
@@ -175,11 +175,20 @@ def workload_text(workload: Any) -> str:
             f"{lookup(workload, 'gen_tokens')} tokens on {lookup(workload, 'pool_blocks')} blocks")
 
 
+def none_requests_text(settings: Mapping[str, Any]) -> str:
+    """`throughput --none-requests`: `none` timed on fewer of the same requests."""
+    bound, count = settings.get("memory_bound"), settings.get("none_requests")
+    if not isinstance(bound, Mapping) or count is None or count >= bound.get("num_requests", 0):
+        return ""
+    return f" (`none` timed on {count} of them: whole waves of the requests that fit at once)"
+
+
 def throughput_setup(document: Mapping[str, Any]) -> str:
     engine, settings = lookup(document, "settings", "engine", default={}), lookup(document, "settings", default={})
     model = Path(engine["model"]).name if engine.get("model") else MISSING
     return (f"{model} {lookup(engine, 'dtype')}, block {lookup(engine, 'block_size')}, max_model_len "
-            f"{lookup(engine, 'max_model_len')}; memory-bound: {workload_text(settings.get('memory_bound'))}; "
+            f"{lookup(engine, 'max_model_len')}; memory-bound: {workload_text(settings.get('memory_bound'))}"
+            f"{none_requests_text(settings)}; "
             f"overhead: {workload_text(settings.get('overhead')) if settings.get('overhead', MISSING) is not None else 'not run'}; OMP_WAIT_POLICY "
             f"{lookup(settings, 'engine_env', 'OMP_WAIT_POLICY')}; load average "
             f"{loads(lookup(document, 'timing', 'load_before'))} before, "
@@ -188,7 +197,7 @@ def throughput_setup(document: Mapping[str, Any]) -> str:
 
 def throughput_targets(summary: Mapping[str, Any]) -> list[str]:
     """The two target ratios the run recorded, worded as `throughput` prints them."""
-    from vllm_kvprune.bench import throughput
+    from vllm_kvprune.bench import throughput_report as throughput
 
     def shown(ratio: Any, target: Any) -> str:
         if ratio is None or target is None:
@@ -208,7 +217,7 @@ def throughput_section(paths: Sequence[Path], doc_dir: Path) -> str:
     """One `###` subsection per throughput*.json: heading (policies), the command, the setup,
     the table exactly as `throughput` prints it (tokens/s, ratio vs none, plan/score shares
     when recorded), the target ratios and the plot."""
-    from vllm_kvprune.bench import throughput
+    from vllm_kvprune.bench import throughput_report as throughput
 
     sections = []
     for path in paths:

@@ -53,14 +53,11 @@ from tqdm import tqdm
 from vllm_kvprune.bench import common
 # What a case is and how one is measured live with the child that runs it.
 from vllm_kvprune.bench.throughput_case import BUDGET_FREE, KEEP_ALL, WITH_FDC, Case, EngineSettings, Workload
+# The table, the plot, the ratios and the target lines (shared with the results page).
+from vllm_kvprune.bench.throughput_report import (
+    MATCHED_POLICY, MEMORY_BOUND, OVERHEAD, plot_throughput, summary, table_cells, target_lines, with_ratios,
+)
 
-MEMORY_BOUND = "memory-bound"
-# Budgeted policies over FDC's narrower heads: budgets x narrower blocks.
-MATCHED_POLICY = "h2o"  # also run at each budget-free policy's measured mean memory
-OVERHEAD = "overhead"
-TARGET_MEMORY_BOUND_RATIO = 2.0  # streaming (budget 512) over none, memory-bound
-TARGET_OVERHEAD_RATIO = 0.97  # streaming (nothing evicted) over none, not memory-bound
-TARGET_BUDGET = 512
 CHILD_ENV = common.ENGINE_ENV
 RESULT_STEM = "results/throughput"
 
@@ -128,7 +125,10 @@ def fdc_pool_blocks(engine: EngineSettings, pool_blocks: int) -> int:
 
 def plan_cases(args: argparse.Namespace, engine: EngineSettings) -> tuple[Case, ...]:
     bound = Workload(args.requests, args.prompt_tokens, args.gen_tokens, args.pool_blocks)
-    cases = [Case(MEMORY_BOUND, "none", None, bound, none_max_num_seqs(args.none_max_seqs, bound, engine))]
+    # `none` may run fewer of the same requests (--none-requests' help says why that is fair).
+    none_bound = dataclasses.replace(bound, num_requests=min(args.none_requests or bound.num_requests,
+                                                             bound.num_requests))
+    cases = [Case(MEMORY_BOUND, "none", None, none_bound, none_max_num_seqs(args.none_max_seqs, bound, engine))]
     for policy in args.policies:
         if policy in KEEP_ALL:
             # Every token kept, like `none`, so it runs as many requests as fit whole (its best,
@@ -171,7 +171,21 @@ def build_plan(args: argparse.Namespace) -> Plan:
             f"--pool-blocks {args.pool_blocks} cannot admit `none` at --max-model-len "
             f"{engine.max_model_len}: it needs at least {needed} blocks of {engine.block_size} tokens"
         )
+    check_none_requests(args, engine)
     return Plan(engine, plan_cases(args, engine))
+
+
+def check_none_requests(args: argparse.Namespace, engine: EngineSettings) -> None:
+    """--none-requests times whole waves only: a multiple of the requests `none` runs at once."""
+    if args.none_requests is None:
+        return
+    bound = Workload(args.requests, args.prompt_tokens, args.gen_tokens, args.pool_blocks)
+    wave = none_max_num_seqs(args.none_max_seqs, bound, engine)
+    if args.none_max_seqs != "fit" or args.none_requests <= 0 or args.none_requests % wave:
+        raise SystemExit(
+            f"--none-requests {args.none_requests}: needs --none-max-seqs fit and a positive multiple "
+            f"of the {wave} requests `none` runs at once here (a part wave would understate it)"
+        )
 
 
 def child_env(verbose: bool, omp_wait_policy: str) -> dict[str, str]:
@@ -248,76 +262,10 @@ def case_row(engine: EngineSettings, case: Case, measured: dict[str, Any]) -> di
     }
 
 
-def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each row's tokens/s over `none`'s in the same setting."""
-    baseline = {row["setting"]: row["tokens_per_s"] for row in rows if row["policy"] == "none"}
-    for row in rows:
-        base = baseline.get(row["setting"])
-        row["ratio_vs_none"] = row["tokens_per_s"] / base if base else None
-    return rows
-
-
-def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The two ratios the targets are stated in, and whether each target is met."""
-    def ratio_of(setting: str, budget: int | None = None, policy: str = "streaming") -> float | None:
-        for row in rows:
-            if row["setting"] == setting and row["policy"] == policy and (budget is None or row["budget"] == budget):
-                return row["ratio_vs_none"]
-        return None
-
-    bound = ratio_of(MEMORY_BOUND, TARGET_BUDGET)
-    overhead = ratio_of(OVERHEAD)
-    return {
-        "memory_bound_ratio_budget_512": bound,
-        "memory_bound_target": TARGET_MEMORY_BOUND_RATIO,
-        "memory_bound_target_met": None if bound is None else bound >= TARGET_MEMORY_BOUND_RATIO,
-        "overhead_ratio": overhead,
-        "overhead_target": TARGET_OVERHEAD_RATIO,
-        "overhead_target_met": None if overhead is None else overhead >= TARGET_OVERHEAD_RATIO,
-        "budget_free": budget_free_summary(rows),
-        "memory_bound_ratios": {
-            f"{row['policy']}" + ("" if row["budget"] is None else f" {row['budget']}"): row["ratio_vs_none"]
-            for row in rows if row["setting"] == MEMORY_BOUND and row["policy"] != "none"
-        },
-    }
-
-
 def matched_budget(mean_request_blocks: float, block_size: int) -> int:
     """The budget whose cap (`ceil((budget + 1) / block_size)` blocks) is the nearest whole
     number of blocks to a measured mean, at least one."""
     return max(1, round(mean_request_blocks)) * block_size - 1
-
-
-def budget_free_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per budget-free policy: its ratio to `none`, its mean blocks per request over `none`'s,
-    and `MATCHED_POLICY`'s ratio at the same memory."""
-    bound = [row for row in rows if row["setting"] == MEMORY_BOUND]
-    none = next((row for row in bound if row["policy"] == "none"), None)
-    found = {}
-    for row in (row for row in bound if row["policy"] in BUDGET_FREE):
-        matched = next((other for other in bound if other.get("matched_to") == row["policy"]), None)
-        found[row["policy"]] = {
-            "ratio_vs_none": row["ratio_vs_none"],
-            "blocks_vs_none": (row["mean_request_blocks"] / none["mean_request_blocks"]
-                               if none and none.get("mean_request_blocks") else None),
-            "matched_policy": matched and matched["policy"],
-            "matched_budget": matched and matched["budget"],
-            "matched_ratio_vs_none": matched and matched["ratio_vs_none"],
-        }
-    return found
-
-
-def budget_free_lines(found: dict[str, Any]) -> list[str]:
-    lines = []
-    for policy, numbers in found.items():
-        line = f"memory-bound, {policy} vs none: {numbers['ratio_vs_none']:.2f}x"
-        if numbers["blocks_vs_none"] is not None:
-            line += f" at {numbers['blocks_vs_none']:.0%} of none's mean blocks per request"
-        if numbers["matched_policy"]:
-            line += (f"; {numbers['matched_policy']} at that memory (budget {numbers['matched_budget']}): "
-                     f"{numbers['matched_ratio_vs_none']:.2f}x")
-        lines.append(line)
-    return lines
 
 
 def run_plan(plan: Plan, env: dict[str, str], verbose: bool) -> list[dict[str, Any]]:
@@ -339,71 +287,6 @@ def run_plan(plan: Plan, env: dict[str, str], verbose: bool) -> list[dict[str, A
             budget = matched_budget(measured["mean_request_blocks"], plan.engine.block_size)
             pending.insert(0, dataclasses.replace(case, policy=MATCHED_POLICY, budget=budget, matched_to=case.policy))
     return with_ratios(rows)
-
-
-# ---- reporting ----------------------------------------------------------------------------
-TABLE_COLUMNS = (
-    ("setting", "setting", "{}"),
-    ("policy", "policy", "{}"),
-    ("budget", "budget", "{}"),
-    ("at the memory of", "matched_to", "{}"),  # a budget set from a budget-free policy's measured memory
-    ("max seqs", "max_num_seqs", "{}"),
-    ("tokens/s", "tokens_per_s", "{:.1f}"),
-    ("vs none", "ratio_vs_none", "{:.2f}x"),
-    ("peak running", "peak_running", "{}"),
-    ("mean running", "mean_running", "{:.1f}"),
-    ("peak blocks", "peak_blocks", "{}"),
-    ("blocks/req", "peak_request_blocks", "{}"),
-    ("mean blocks/req", "mean_request_blocks", "{:.1f}"),
-    ("preemptions", "preemptions", "{}"),
-    ("plan share", "plan_share", "{:.1%}"),
-    ("score share", "score_share", "{:.1%}"),
-    ("wall s", "wall_s", "{:.1f}"),
-)
-
-
-def table_cells(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
-    headers = [header for header, _, _ in TABLE_COLUMNS]
-    body = [
-        ["-" if row.get(key) is None else shape.format(row[key]) for _, key, shape in TABLE_COLUMNS]
-        for row in rows
-    ]
-    return headers, body
-
-
-def plot_throughput(rows: list[dict[str, Any]], path: Path, title: str, block_size: int) -> None:
-    """Each policy's tokens/s by budget, with `none` as a horizontal line (memory-bound); a
-    budget-free policy is one point at the tokens its requests held on average."""
-    figure, axes = common.new_figure(6.4, 4.2)
-    bound = [row for row in rows if row["setting"] == MEMORY_BOUND]
-    ticks: set[int] = set()
-    for policy in sorted({row["policy"] for row in bound} - {"none"}):
-        if policy in BUDGET_FREE:
-            for row in (row for row in bound if row["policy"] == policy):
-                held = row["mean_request_blocks"] * block_size
-                axes.plot([held], [row["tokens_per_s"]], marker="*", markersize=12, linestyle="none",
-                          label=f"{policy} (at the tokens it held)")
-            continue
-        if policy in KEEP_ALL:  # no budget: a horizontal line, like `none`
-            for row in (row for row in bound if row["policy"] == policy):
-                axes.axhline(row["tokens_per_s"], color="tab:green", linestyle=":", label=f"{policy} (every token)")
-            continue
-        points = sorted((row["budget"], row["tokens_per_s"]) for row in bound if row["policy"] == policy)
-        budgets, speeds = zip(*points)
-        axes.plot(budgets, speeds, marker="o", label=policy)
-        ticks |= set(budgets)
-    if ticks:
-        axes.set_xscale("log", base=2)
-        axes.set_xticks(sorted(ticks), [str(budget) for budget in sorted(ticks)])
-    for row in bound:
-        if row["policy"] == "none":
-            axes.axhline(row["tokens_per_s"], color="gray", linestyle="--", label="none")
-    axes.set_xlabel("budget (tokens kept per request)")
-    axes.set_ylabel("output tokens/s")
-    axes.set_ylim(bottom=0)
-    axes.set_title(title, fontsize=9)
-    axes.legend()
-    common.save_figure(figure, path)
 
 
 # ---- command line ---------------------------------------------------------------------------
@@ -432,6 +315,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="max_num_seqs of the memory-bound `none` engine: fit = as many requests as the pool "
              "holds whole, so none never preempts (default); stock = --max-num-seqs, where vLLM "
              "admits everyone, then preempts and recomputes over and over (slow; --quick uses it)")
+    add("--none-requests", type=int, default=None, metavar="N",
+        help="run the memory-bound `none` case on only N of the requests (default: all). With "
+             "--none-max-seqs fit, `none` runs the requests in waves of as many as fit whole, each "
+             "wave the same work, so one wave's tokens/s is its rate over them all: a whole wave "
+             "(N = the fit count) measures `none` at a fraction of the time")
     add("--block-size", type=int, default=32)
     add("--fdc", default=None, metavar="FILE",
         help="FDC calibration of the model, for --policies fdc, streaming+fdc and paged_eviction+fdc "
@@ -476,7 +364,8 @@ def run_settings(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
     return {
         "engine": dataclasses.asdict(plan.engine),
         "quick": args.quick,
-        "memory_bound": dataclasses.asdict(plan.cases[0].workload),
+        "memory_bound": dataclasses.asdict(memory_bound_workload(plan)),
+        "none_requests": plan.cases[0].workload.num_requests,
         "overhead": dataclasses.asdict(overhead[-1].workload) if overhead else None,
         "overhead_budget": overhead[-1].budget if overhead else None,
         "budgets": list(args.budgets),
@@ -487,8 +376,14 @@ def run_settings(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
     }
 
 
+def memory_bound_workload(plan: Plan) -> Workload:
+    """The memory-bound batch every policy runs (`none` may run fewer of it: --none-requests)."""
+    return max((case.workload for case in plan.cases if case.setting == MEMORY_BOUND),
+               key=lambda workload: workload.num_requests)
+
+
 def plot_title(plan: Plan) -> str:
-    workload = plan.cases[0].workload
+    workload = memory_bound_workload(plan)
     return (
         f"{Path(plan.engine.model).name}, {workload.num_requests} requests x "
         f"{workload.prompt_tokens}+{workload.gen_tokens} tokens, pool {workload.pool_blocks} "
@@ -506,25 +401,6 @@ def report(args: argparse.Namespace, plan: Plan, rows: list[dict[str, Any]], tim
                       summary=totals, timing=timing)
     plot_throughput(rows, stem.with_suffix(".png"), plot_title(plan), plan.engine.block_size)
     print(f"wrote {stem.with_suffix('.json')} and {stem.with_suffix('.png')}")
-
-
-def target_lines(totals: dict[str, Any], timing: dict[str, Any]) -> str:
-    def shown(ratio: float | None, target: float) -> str:
-        if ratio is None:
-            return "not measured"
-        return f"{ratio:.2f}x (target >= {target}x: {'met' if ratio >= target else 'NOT met'})"
-
-    targets = [
-        f"memory-bound, streaming budget {TARGET_BUDGET} vs none: "
-        + shown(totals["memory_bound_ratio_budget_512"], TARGET_MEMORY_BOUND_RATIO),
-        "nothing evicted, streaming vs none: " + shown(totals["overhead_ratio"], TARGET_OVERHEAD_RATIO),
-    ]
-    return "\n".join([
-        *(line for line in targets if not line.endswith("not measured")),
-        *budget_free_lines(totals["budget_free"]),
-        f"run {timing['run_s'] / 60:.1f} min; load average before {timing['load_before'][0]:.1f}, "
-        f"after {timing['load_after'][0]:.1f} on {common.usable_cores()} cores",
-    ])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -16,9 +16,7 @@ default: see `--dtype`); the policies take turns `--repeats` times and the media
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
