@@ -37,6 +37,23 @@ def test_ours_is_read_from_the_result_files(tmp_path) -> None:
     assert results_papers.NOT_MEASURED in next(l for l in page.splitlines() if "Fig. 10" in l)
 
 
+def test_fig_10_row_says_none_ran_one_wave(tmp_path) -> None:
+    """Fig. 10 reads `throughput_fig10.json`; where `none` was timed on fewer of the requests
+    (`--none-requests`), the setting says how many and why that is its rate."""
+    fig10 = json.loads((RESULTS / "throughput_fig10.json").read_text())
+    (tmp_path / "throughput_fig10.json").write_text(json.dumps(fig10))
+    rows = {r["policy"]: r for r in fig10["results"] if r["setting"] == "memory-bound"}
+    line = next(l for l in results_papers.papers_section(tmp_path).splitlines() if "Fig. 10" in l)
+    assert f"| {rows['streaming']['tokens_per_s'] / rows['none']['tokens_per_s']:.2f}x |" in line
+    none = rows["none"]
+    if none["requests"] < rows["streaming"]["requests"]:
+        assert f"timed on {none['requests']} of them" in line, line
+    fig10["results"] = [dict(r, requests=rows["streaming"]["requests"]) for r in fig10["results"]]
+    (tmp_path / "throughput_fig10.json").write_text(json.dumps(fig10))
+    line = next(l for l in results_papers.papers_section(tmp_path).splitlines() if "Fig. 10" in l)
+    assert "timed on" not in line, line
+
+
 def test_lazy_pruning_rows_come_from_r1_and_r64(tmp_path) -> None:
     """Its two halves run apart (TPOT, perplexity), each in its own file: the rows meet by setting."""
     from vllm_kvprune.bench import common, lazy_pruning

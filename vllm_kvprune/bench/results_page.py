@@ -31,7 +31,9 @@ SPEED_FILES = {
                   ("kv_update_h2o_full", "h2o on EQUIP's Table 6 grid, 2 threads"),
                   ("kv_update_paged_eviction_2t", "paged_eviction, 2 threads"),
                   ("kv_update_streaming_paper", "streaming on EQUIP's Table 6 grid (64/128 heads, evict 64)")],
-    "throughput": [("throughput", "streaming"), ("throughput_paged", "paged_eviction"),
+    "throughput": [("throughput", "streaming"),
+                   ("throughput_fig10", "streaming, EQUIP's Fig. 10 setting: 32 requests of 4K tokens, budget 512"),
+                   ("throughput_paged", "paged_eviction"),
                    ("throughput_h2o", "h2o and streaming"),
                    ("throughput_h2o_batch32_separate", "h2o at batch 32, mass in a separate pass "
                                                        "(VLLM_KVPRUNE_FUSED_MASS=0)"),

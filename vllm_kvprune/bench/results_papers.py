@@ -152,7 +152,7 @@ PAPER_FIGURES: tuple[PaperFigure, ...] = (
                   _TABLE6.format(b=b, h=h, d=d), kv_update_speedup("kv_update_h2o_full.json", b, h, d))
       for b, h, d, h2o, _ in _TABLE6_ROWS),
     PaperFigure("EQUIP", "Fig. 10: StreamingLLM in vLLM over vLLM's full cache, batch 32, 4K", "7.44x",
-                "Llama-2-7B, Xeon SPR", throughput_ratio("throughput.json", "streaming", 512, "none")),
+                "Llama-2-7B, Xeon SPR", throughput_ratio("throughput_fig10.json", "streaming", 512, "none")),
     PaperFigure("EQUIP", "Fig. 7a: end to end, in place over StreamingLLM's shift-and-append (geomean)", "1.62x",
                 "Llama models on Hugging Face, Xeon SPR", tpot_change("tpot_equip.json", "streaming", "streaming-shift",
                                                                            speedup=True)),
