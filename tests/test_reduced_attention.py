@@ -94,16 +94,17 @@ def test_kernel_decode_batch_with_many_tasks_and_zeroed_tail() -> None:
 
 def test_write_lays_keys_dims_major_and_values_token_major_per_block() -> None:
     heads = PackedHeads.from_ranks([2, 1], [1, 2])  # row width 6
-    assert heads.k_offsets.tolist() == [0, 2] and heads.v_offsets.tolist() == [3, 4] and heads.row_width == 6
+    # Head by head: head 0's keys (2) and values (1), then head 1's keys (1) and values (2).
+    assert heads.k_offsets.tolist() == [0, 3] and heads.v_offsets.tolist() == [2, 4] and heads.row_width == 6
     block = 2
     cache = torch.zeros(2, block * heads.row_width)
     key = torch.tensor([[[1.0, 2.0], [3.0, 0.0]], [[4.0, 5.0], [6.0, 0.0]]])  # [tokens 0-1, H, d]
     value = torch.tensor([[[7.0, 0.0], [8.0, 9.0]], [[10.0, 0.0], [11.0, 12.0]]])
     heads.write(cache, torch.tensor([2, 3]), key, value)  # block 1, tokens 0 and 1
     assert cache[0].eq(0).all()
-    # head 0 keys: dim 0 of tokens (0, 1), dim 1 of tokens (0, 1); head 1 keys: dim 0;
-    # head 0 values: token 0, token 1 (1 dim); head 1 values: token 0 (2 dims), token 1.
-    assert cache[1].tolist() == [1, 4, 2, 5, 3, 6, 7, 10, 8, 9, 11, 12]
+    # head 0 keys: dim 0 of tokens (0, 1), dim 1 of tokens (0, 1); head 0 values: token 0,
+    # token 1 (1 dim); head 1 keys: dim 0; head 1 values: token 0 (2 dims), token 1.
+    assert cache[1].tolist() == [1, 4, 2, 5, 7, 10, 3, 6, 8, 9, 11, 12]
     keys, values = heads.read(cache, torch.tensor([3, 2]))
     assert keys[0].tolist() == [[4, 5], [1, 2]] and values[1].tolist() == [[11, 12], [8, 9]]
 

@@ -12,15 +12,13 @@ the engine's business):
   the ranks rounded up to a multiple of 16 or 32 (what aligned widths cost in memory, and
   save in time).
 Every case runs all 30 layers, each over its own cache (so the KV bytes come from memory, as
-in a real decode step, not from the CPU's caches); times are per layer, the median of
-`--repeats` steps after a warm-up.
+in a real decode step, not from the CPU's caches); times are per layer, the median (and
+quartiles) of `--repeats` steps after a warm-up, the cases taking turns in every round.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -43,16 +41,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="an FDC calibration of SmolLM2 (default: calibrate now, about a minute)")
     add("--repeats", type=int, default=15)
     add("--out", default=RESULT_STEM, help="writes STEM.json and STEM.png")
-
-
-def _median_ms(call: Callable[[], Any], repeats: int) -> float:
-    call()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1e3
 
 
 def _vllm_call(batch: int, seq_len: int, dtype: torch.dtype, generator: torch.Generator,
@@ -119,6 +107,16 @@ def mixed_lengths(batch: int, seq_len: int) -> list[int]:
     return lengths
 
 
+def table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """Headers and cells of the bench's table (the results page shows the same)."""
+    def spread(row: dict[str, Any]) -> str:  # files before the rounds took turns have no quartiles
+        return f"{row['p25_ms']:.3f}-{row['p75_ms']:.3f}" if "p25_ms" in row else "-"
+
+    return (["case", "ms/layer", "p25-p75 ms", "KV kept", "vs vLLM full", "vs ours full"],
+            [[row["case"], f"{row['ms_per_layer']:.3f}", spread(row), f"{row['kv_kept']:.1%}",
+              f"{row['vs_vllm_full']:.2f}x", f"{row['vs_ours_full']:.2f}x"] for row in rows])
+
+
 def run(args: argparse.Namespace) -> int:
     from vllm_kvprune import assets, kernels
     from vllm_kvprune.fdc import calibration as fdc
@@ -136,31 +134,31 @@ def run(args: argparse.Namespace) -> int:
     layers = len(rank_sets)
     equal = [args.seq_len] * args.batch
     mixed = mixed_lengths(args.batch, args.seq_len)
-    rows = []
-
-    def measure(name: str, call: Callable[[], Any], per_layers: int, kept: float) -> None:
-        milliseconds = _median_ms(call, args.repeats) / per_layers
-        rows.append({"case": name, "ms_per_layer": milliseconds, "kv_kept": kept})
-        print(f"{name}: {milliseconds:.3f} ms per layer", flush=True)
+    cases: dict[str, tuple[Callable[[], Any], float]] = {}  # name -> (one step of every layer, KV kept)
 
     # Every case runs all of the model's layers, each over its own cache, as a decode step does:
     # the caches are far larger than the CPU's caches, so each byte comes from memory.
     full, half = [([64] * HEADS, [64] * HEADS)] * layers, [([32] * HEADS, [32] * HEADS)] * layers
-    measure("vLLM kernel, full dims", _vllm_call(args.batch, args.seq_len, dtype, generator, layers), layers, 1.0)
-    measure("ours, full dims", _ours_call(full, equal, dtype, generator, True), layers, 1.0)
-    measure("ours, 50% dims", _ours_call(half, equal, dtype, generator, True), layers, 0.5)
+    cases["vLLM kernel, full dims"] = _vllm_call(args.batch, args.seq_len, dtype, generator, layers), 1.0
+    cases["ours, full dims"] = _ours_call(full, equal, dtype, generator, True), 1.0
+    cases["ours, 50% dims"] = _ours_call(half, equal, dtype, generator, True), 0.5
     for balanced in (True, False):
         schedule = "LPT" if balanced else "static"
-        measure(f"ours, adaptive r={args.rate}, equal lengths, {schedule}",
-                _ours_call(rank_sets, equal, dtype, generator, balanced), layers, adaptive.kv_fraction())
-        measure(f"ours, adaptive r={args.rate}, mixed lengths, {schedule}",
-                _ours_call(rank_sets, mixed, dtype, generator, balanced), layers, adaptive.kv_fraction())
+        for lengths, which in ((equal, "equal"), (mixed, "mixed")):
+            cases[f"ours, adaptive r={args.rate}, {which} lengths, {schedule}"] = (
+                _ours_call(rank_sets, lengths, dtype, generator, balanced), adaptive.kv_fraction())
     for granule in (16, 32):
         aligned = [(fdc.rank_granule(torch.tensor(k), granule, HEAD_DIM).tolist(),
                     fdc.rank_granule(torch.tensor(v), granule, HEAD_DIM).tolist()) for k, v in rank_sets]
         kept = sum(sum(k) + sum(v) for k, v in aligned) / (layers * 2 * HEADS * HEAD_DIM)
-        measure(f"ours, adaptive r={args.rate}, ranks up to a multiple of {granule}, equal lengths, LPT",
-                _ours_call(aligned, equal, dtype, generator, True), layers, kept)
+        cases[f"ours, adaptive r={args.rate}, ranks up to a multiple of {granule}, equal lengths, LPT"] = (
+            _ours_call(aligned, equal, dtype, generator, True), kept)
+    # The cases take turns in every round, so the machine's slow spells (a shared VM's are
+    # 20-50% here) hit them all alike instead of whichever case was running then.
+    timings = common.time_round_robin({name: call for name, (call, _) in cases.items()}, 1, args.repeats)
+    rows = [{"case": name, "ms_per_layer": timings[name]["median"] / 1e3 / layers, "kv_kept": kept,
+             "p25_ms": timings[name]["p25"] / 1e3 / layers, "p75_ms": timings[name]["p75"] / 1e3 / layers}
+            for name, (_, kept) in cases.items()]
     by_case = {row["case"]: row["ms_per_layer"] for row in rows}
     for row in rows:
         row["vs_vllm_full"] = by_case["vLLM kernel, full dims"] / row["ms_per_layer"]
@@ -174,9 +172,7 @@ def run(args: argparse.Namespace) -> int:
         "lpt_vs_static_equal": (by_case[f"ours, adaptive r={args.rate}, equal lengths, static"]
                                 / by_case[f"ours, adaptive r={args.rate}, equal lengths, LPT"]),
     }
-    common.print_table(["case", "ms/layer", "KV kept", "vs vLLM full", "vs ours full"],
-                       [[row["case"], f"{row['ms_per_layer']:.3f}", f"{row['kv_kept']:.0%}",
-                         f"{row['vs_vllm_full']:.2f}x", f"{row['vs_ours_full']:.2f}x"] for row in rows])
+    common.print_table(*table(rows))
     print(f"50% dims vs vLLM's full-dimension kernel: {summary['half_dims_vs_vllm_full']:.2f}x "
           f"(goal >= {TARGET_SPEEDUP}x: {'met' if summary['half_dims_vs_vllm_full'] >= TARGET_SPEEDUP else 'NOT met'}); "
           f"vs ours at full dims: {summary['half_dims_vs_ours_full']:.2f}x")

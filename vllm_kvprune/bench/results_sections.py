@@ -351,8 +351,9 @@ def fdc_section(folder: Path, doc_dir: Path) -> str:
     if attention.is_file():
         document = load(attention)
         settings = document.get("settings", {})
-        rows = [[row["case"], f"{row['ms_per_layer']:.3f}", _percent(row["kv_kept"]), f"{row['vs_vllm_full']:.2f}x",
-                 f"{row['vs_ours_full']:.2f}x"] for row in document.get("results", [])]
+        from vllm_kvprune.bench import fdc_attention
+
+        headers, rows = fdc_attention.table(document.get("results", []))
         summary = document.get("summary", {})
         notes = [f"50% of the dims vs vLLM's kernel at full width: {summary.get('half_dims_vs_vllm_full', 0):.2f}x "
                  f"(goal >= {summary.get('target', MISSING)}x)",
@@ -360,9 +361,9 @@ def fdc_section(folder: Path, doc_dir: Path) -> str:
                  f"{summary.get('lpt_vs_static_equal', 0):.2f}x on equal lengths"]
         setup = (f"One decode step of all 30 layers of SmolLM2's shape, each over its own cache: "
                  f"{settings.get('batch', MISSING)} sequences x {settings.get('seq_len', MISSING)} tokens, "
-                 f"{settings.get('dtype', MISSING)}, median of {settings.get('repeats', MISSING)}.")
+                 f"{settings.get('dtype', MISSING)}, median of {settings.get('repeats', MISSING)} rounds.")
         parts.append(file_section("FDC decode attention (`fdc/attention.json`)", document, setup,
-                                  markdown_table(["case", "ms/layer", "KV kept", "vs vLLM full", "vs ours full"], rows),
+                                  markdown_table(headers, rows),
                                   notes, attention, doc_dir))
     return "\n\n".join(parts)
 
