@@ -20,12 +20,15 @@ from vllm_kvprune.kernels.reduced_attention import (
 BLOCK = 32
 
 
-def _case(seed: int, group: int, dtype: torch.dtype, query_counts=(5, 1, 1, 12), seq_lens=(20, 33, 1, 40)):
-    """Dense per-sequence keys/values ``[n, H, 32]`` written into a cache of scattered blocks."""
+def _case(seed: int, group: int, dtype: torch.dtype, query_counts=(5, 1, 1, 12), seq_lens=(20, 33, 1, 40),
+          ranks=None):
+    """Dense per-sequence keys/values ``[n, H, 32]`` (``[n, H, 64]`` with ``ranks``, the heads'
+    K and V ranks) written into a cache of scattered blocks."""
     generator = torch.Generator().manual_seed(seed)
     num_heads = 3
-    k_ranks = torch.randint(4, 33, (num_heads,), generator=generator)
-    v_ranks = torch.randint(4, 33, (num_heads,), generator=generator)
+    k_ranks = torch.randint(4, 33, (num_heads,), generator=generator) if ranks is None else torch.tensor(ranks[0])
+    v_ranks = torch.randint(4, 33, (num_heads,), generator=generator) if ranks is None else torch.tensor(ranks[1])
+    dims = 32 if ranks is None else 64
     heads = PackedHeads.from_ranks(k_ranks, v_ranks)
     width = -(-max(seq_lens) // BLOCK)
     num_blocks = len(seq_lens) * width + 3
@@ -34,13 +37,13 @@ def _case(seed: int, group: int, dtype: torch.dtype, query_counts=(5, 1, 1, 12),
     cache = torch.full((num_blocks, BLOCK * heads.row_width), float("nan")).to(dtype)  # unwritten = NaN
     dense = []
     for s, seq_len in enumerate(seq_lens):
-        keys = torch.randn(seq_len, num_heads, 32, generator=generator).to(dtype)
-        values = torch.randn(seq_len, num_heads, 32, generator=generator).to(dtype)
+        keys = torch.randn(seq_len, num_heads, dims, generator=generator).to(dtype)
+        values = torch.randn(seq_len, num_heads, dims, generator=generator).to(dtype)
         positions = torch.arange(seq_len)
         heads.write(cache, block_table[s, positions // BLOCK].long() * BLOCK + positions % BLOCK, keys, values)
         dense.append((keys.float(), values.float()))
     starts = torch.tensor([0, *torch.cumsum(torch.tensor(query_counts), 0).tolist()], dtype=torch.int32)
-    query = torch.randn(int(starts[-1]), num_heads * group, 40, generator=generator).to(dtype)
+    query = torch.randn(int(starts[-1]), num_heads * group, max(40, dims), generator=generator).to(dtype)
     return query, cache, block_table, starts, torch.tensor(seq_lens, dtype=torch.int32), heads, dense
 
 
@@ -90,6 +93,22 @@ def test_kernel_decode_batch_with_many_tasks_and_zeroed_tail() -> None:
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     for h in range(heads.num_heads):  # dims past a head's V rank are zero, not garbage
         assert (got[:, 2 * h:2 * h + 2, int(heads.v_ranks[h]):] == 0).all()
+
+
+@pytest.mark.skipif(not kernels.HAS_EXTENSION, reason="needs the C++ extension")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [3, 8, 9])
+def test_kernel_decode_of_wide_heads_matches_reference(dtype: torch.dtype, group: int) -> None:
+    """Decodes read keys and values in one pass (online softmax) when the group fits one pass's
+    rows (8 on AVX-512, 4 on AVX2; 9 never does): ranks past 32 (two value chunks), sequences
+    of many blocks, a last chunk cut mid-block, and a 1-token one."""
+    ranks = ([64, 40, 33], [33, 64, 47])
+    counts, lens = (1, 1, 1, 1), (300, 97, 1, 64)
+    query, cache, table, starts, seq_lens, heads, _ = _case(5 + group, group, dtype, counts, lens, ranks)
+    expected = reduced_attention_reference(query, cache, table, starts, seq_lens, heads, 0.125, 64)
+    got = reduced_attention(query, cache, table, starts, seq_lens, heads, 0.125, 64)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
 
 
 def test_write_lays_keys_dims_major_and_values_token_major_per_block() -> None:

@@ -15,7 +15,10 @@
 // One task is one (sequence, KV head): its G query heads over all of the sequence's query
 // tokens (causal: query i of n_q sees the first seq_len - n_q + i + 1 keys), in tiles of
 // consecutive queries (about 16 rows of query x group) so a prefill reads each key once per
-// tile, not once per query; up to 8 rows share every key and value vector loaded. Heads of unequal
+// tile, not once per query; up to 8 rows share every key and value vector loaded. A decode
+// task (one query, a group of up to 8 rows) instead reads each block's keys and values in one
+// pass with an online softmax (its key and value spans are adjacent): 13-17% faster at full
+// width than a logits pass and then a value pass, about the same at half width. Heads of unequal
 // rank make tasks of unequal cost, so the tasks are dealt to threads longest first, each to
 // the thread with the least work so far (FDC §5.3's decode schedule, longest-processing-time
 // first); `balanced = false` deals them in order, in equal-count chunks, for comparison.
@@ -272,6 +275,88 @@ inline void values_pass(const float* weights, int64_t weights_stride, int64_t nu
   for (int r = 0; r < ROWS; ++r) std::memcpy(out[r], acc[r], dims * sizeof(float));
 }
 
+#if KVPRUNE_HAS_VEC16
+// A decode task (one query token, ROWS = its GQA group's query heads) in one pass over the
+// blocks: each block's keys, then at once its values, with a running max and sum per row
+// (online softmax), so a block's key and value spans are read together (they are adjacent:
+// PackedHeads packs each head's keys, then its values) and no logits row is kept.
+// `acc` holds ROWS x `width` fp32 (v_rank rounded up to kLanes).
+template <int ROWS, typename T>
+void decode_one_pass(const float* queries, int64_t k_rank, int64_t v_rank, const T* cache, const int32_t* blocks,
+                     int64_t block_size, int64_t block_stride, int64_t key_base, int64_t value_base,
+                     int64_t num_keys, const T* end, float* const* out, std::vector<float>& scratch) {
+  const int64_t width = (v_rank + kLanes - 1) / kLanes * kLanes;
+  scratch.assign(ROWS * width, 0.f);
+  float* acc = scratch.data();
+  float running_max[ROWS];
+  Vec16 running_sum[ROWS];  // per lane: summed over the rows' chunks, reduced once at the end
+  for (int r = 0; r < ROWS; ++r) running_max[r] = -std::numeric_limits<float>::infinity(), running_sum[r] = vzero();
+  alignas(64) float weights[ROWS][kLanes];
+  const int64_t num_blocks = (num_keys + block_size - 1) / block_size;
+  for (int64_t block = 0; block < num_blocks; ++block) {
+    if (block + kPrefetchBlocks < num_blocks) {
+      const T* ahead = cache + static_cast<int64_t>(blocks[block + kPrefetchBlocks]) * block_stride;
+      prefetch_span(ahead + key_base, k_rank * block_size);
+      prefetch_span(ahead + value_base, v_rank * block_size);
+    }
+    const T* block_start = cache + static_cast<int64_t>(blocks[block]) * block_stride;
+    const int64_t block_end = std::min(num_keys, (block + 1) * block_size);
+    for (int64_t start = block * block_size; start < block_end; start += kLanes) {
+      const int64_t count = std::min(kLanes, block_end - start), in_block = start - block * block_size;
+      logits_pass<ROWS>(queries, k_rank, block_start + key_base + in_block, block_size, count, end, &weights[0][0],
+                        kLanes);
+      for (int r = 0; r < ROWS; ++r) {
+        if (count < kLanes) std::fill(weights[r] + count, weights[r] + kLanes, -std::numeric_limits<float>::infinity());
+        Vec16 lo = vload(weights[r]), hi = vload(weights[r] + 16);
+        const float new_max = std::max(running_max[r], vreduce_max(vmax(lo, hi)));
+        const float rescale = exp_nonpositive(running_max[r] - new_max);  // 0 on the first chunk
+        const Vec16 shift = vset1(new_max);
+        lo = vexp_nonpositive(vsub(lo, shift));
+        hi = vexp_nonpositive(vsub(hi, shift));
+        vstore(weights[r], lo);
+        vstore(weights[r] + 16, hi);
+        if (count < kLanes) {
+          std::fill(weights[r] + count, weights[r] + kLanes, 0.f);
+          lo = vload(weights[r]), hi = vload(weights[r] + 16);
+        }
+        running_sum[r] = vfmadd(running_sum[r], vset1(rescale), vadd(lo, hi));
+        running_max[r] = new_max;
+        if (rescale != 1.f) {
+          const Vec16 factor = vset1(rescale);
+          for (int64_t d = 0; d < width; d += 16) vstore(acc + r * width + d, vmul(vload(acc + r * width + d), factor));
+        }
+      }
+      const T* values = block_start + value_base + in_block * v_rank;
+      for (int64_t d0 = 0; d0 < v_rank; d0 += kLanes) {
+        const int64_t dims = std::min(kLanes, v_rank - d0);
+        Vec16 sums[ROWS][2];
+        for (int r = 0; r < ROWS; ++r) {
+          sums[r][0] = vload(acc + r * width + d0);
+          sums[r][1] = vload(acc + r * width + d0 + 16);
+        }
+        const T* value = values + d0;
+        for (int64_t j = 0; j < count; ++j, value += v_rank) {
+          const Lanes lanes_j = load_vectors(value, dims, end);
+          for (int r = 0; r < ROWS; ++r) {
+            const Vec16 weight = vset1(weights[r][j]);
+            sums[r][0] = vfmadd(weight, lanes_j.lo, sums[r][0]);
+            sums[r][1] = vfmadd(weight, lanes_j.hi, sums[r][1]);
+          }
+        }
+        for (int r = 0; r < ROWS; ++r) {
+          vstore(acc + r * width + d0, sums[r][0]);
+          vstore(acc + r * width + d0 + 16, sums[r][1]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    const float inverse = 1.f / vreduce_add(running_sum[r]);
+    for (int64_t d = 0; d < v_rank; ++d) out[r][d] = acc[r * width + d] * inverse;
+  }
+}
+#endif
+
 // Runs `pass<ROWS>()` for ROWS = rows (1..kRowsPerPass), unrolled at compile time.
 template <typename Pass>
 inline void with_rows(int64_t rows, const Pass& pass) {
@@ -324,14 +409,10 @@ void run_task(const Task& task, const T* cache, int64_t block_size, int64_t bloc
   const int64_t seq_len = seq_lens[s], k_rank = k_ranks[h], v_rank = v_ranks[h];
   const int64_t key_base = block_size * k_offsets[h], value_base = block_size * v_offsets[h];
   const int32_t* blocks = block_table + s * table_width;
-  const int64_t tile = std::max<int64_t>(1, kTileRows / group);
   std::vector<float*> outputs;
-  for (int64_t i0 = 0; i0 < num_queries; i0 += tile) {
-    // A tile of consecutive queries: row r is query i0 + r / group, group member r % group.
-    // Query i sees seq_len - num_queries + i + 1 keys; the tile reads as many as its last.
-    const int64_t tile_queries = std::min(tile, num_queries - i0), rows = tile_queries * group;
-    const int64_t first_visible = seq_len - num_queries + i0 + 1, num_keys = first_visible + tile_queries - 1;
-    logits.assign(rows * num_keys, 0.f);
+  // Rows r of queries i0.. (query i0 + r / group, group member r % group): scaled queries in
+  // `query_row`, their zeroed outputs in `outputs`.
+  auto prepare_rows = [&](int64_t i0, int64_t rows) {
     query_row.resize(rows * k_rank);
     outputs.resize(rows);
     for (int64_t r = 0; r < rows; ++r) {
@@ -341,6 +422,29 @@ void run_task(const Task& task, const T* cache, int64_t block_size, int64_t bloc
       outputs[r] = output + (t * num_q_heads + q_head) * output_width;
       std::fill(outputs[r], outputs[r] + output_width, 0.f);
     }
+  };
+#if KVPRUNE_HAS_VEC16
+  // A decode (one query) whose group fits one pass's rows: keys and values in one pass.
+  if constexpr (kVectorPasses<T>) {
+    if (num_queries == 1 && group <= kRowsPerPass) {
+      prepare_rows(0, group);
+      with_rows(group, [&](auto rows_here) {
+        decode_one_pass<decltype(rows_here)::value>(query_row.data(), k_rank, v_rank, cache, blocks, block_size,
+                                                    block_stride, key_base, value_base, seq_len, cache_end,
+                                                    outputs.data(), logits);
+      });
+      return;
+    }
+  }
+#endif
+  const int64_t tile = std::max<int64_t>(1, kTileRows / group);
+  for (int64_t i0 = 0; i0 < num_queries; i0 += tile) {
+    // A tile of consecutive queries. Query i sees seq_len - num_queries + i + 1 keys; the tile
+    // reads as many as its last.
+    const int64_t tile_queries = std::min(tile, num_queries - i0), rows = tile_queries * group;
+    const int64_t first_visible = seq_len - num_queries + i0 + 1, num_keys = first_visible + tile_queries - 1;
+    logits.assign(rows * num_keys, 0.f);
+    prepare_rows(i0, rows);
     // Logits, kLanes keys of a block at a time: a dim of those keys, times up to 8 rows' dim.
     const int64_t num_blocks = (num_keys + block_size - 1) / block_size;
     for (int64_t start = 0; start < num_keys; start += kLanes) {
