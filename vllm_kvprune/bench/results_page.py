@@ -143,12 +143,8 @@ def render(results_dir: Path, page_path: Path) -> str:
             documents.append((overhead.name, sections.load(overhead)))
             parts.append(sections.metrics_overhead_section(overhead, page_path.parent))
 
-    ttft = results_dir / "ttft.json"
-    if ttft.is_file():
-        documents.append((ttft.name, sections.load(ttft)))
-        parts += ["## Time to first token", results_papers.ttft_section(ttft, page_path.parent)]
-
     for pattern, title, section in (
+            ("ttft*.json", "## Time to first token", results_papers.ttft_section),
             ("tpot*.json", "## Time per output token (PagedEviction Fig. 3d, EQUIP Fig. 7a)", results_papers.tpot_section),
             ("lazy_pruning*.json", "## Lazy Pruning: the prune interval R", results_papers.lazy_pruning_section),
             ("attention_mass*.json", "## H2O's attention-mass kernel, by extension build\n\n"

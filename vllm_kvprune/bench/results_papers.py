@@ -200,7 +200,7 @@ def ttft_section(path: Path, doc_dir: Path) -> str:
              f"median of {settings.get('repeats')} request(s) per length after one warm-up request, each on its "
              f"own essay window; budget {settings.get('budget')} for the budgeted policies (`prefill: full`: the "
              "prompt is attended in full, then pruned).")
-    return sections.file_section("Time to first token (`ttft.json`)", document, setup,
+    return sections.file_section(f"Time to first token (`{path.name}`)", document, setup,
                                  sections.markdown_table(*ttft.table(document.get("results", []))), [], path, doc_dir)
 
 
