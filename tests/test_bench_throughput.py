@@ -103,7 +103,7 @@ def test_budget_free_policy_is_matched_and_summarised() -> None:
 def test_none_requests_times_whole_waves_only() -> None:
     """`--none-requests`: `none` runs fewer of the same requests, in whole waves of those that
     fit at once, while every policy runs them all; a part wave is refused, naming the flag."""
-    from vllm_kvprune.bench import results_sections, throughput
+    from vllm_kvprune.bench import throughput, throughput_report
 
     argv = ["--requests", "32", "--gen-tokens", "4096", "--pool-blocks", "576", "--budgets", "512",
             "--policies", "streaming", "--overhead-requests", "0"]
@@ -113,9 +113,11 @@ def test_none_requests_times_whole_waves_only() -> None:
     assert (none.policy, none.workload.num_requests, none.max_num_seqs) == ("none", 8, 4)
     assert (streaming.policy, streaming.workload.num_requests) == ("streaming", 32)
     assert throughput.memory_bound_workload(plan).num_requests == 32
-    settings = {"memory_bound": {"num_requests": 32}, "none_requests": 8}
-    assert "8 of them" in results_sections.none_requests_text(settings)
-    assert results_sections.none_requests_text({**settings, "none_requests": 32}) == ""
+    # The page reads it from the rows (each row records the requests it ran).
+    rows = [{"setting": MEMORY_BOUND, "policy": "none", "requests": 8, "max_num_seqs": 4},
+            {"setting": MEMORY_BOUND, "policy": "streaming", "requests": 32, "max_num_seqs": 32}]
+    assert "8 of them" in throughput_report.none_fewer_text(rows)
+    assert throughput_report.none_fewer_text([{**rows[0], "requests": 32}, rows[1]]) == ""
     for wrong in (["--none-requests", "6"], ["--none-requests", "0"], ["--none-requests", "8", "--none-max-seqs", "4"]):
         with pytest.raises(SystemExit, match="--none-requests"):
             throughput.build_plan(throughput.parse_args([*argv, *wrong]))

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from vllm_kvprune.bench import results_sections as sections
+from vllm_kvprune.bench import throughput_report
 
 NOT_MEASURED = "not measured yet"
 Ours = Callable[[Path], "tuple[str, str] | None"]  # results dir -> (our value, our setting)
@@ -63,19 +64,12 @@ def throughput_ratio(name: str, policy: str, budget: int, over: str) -> Ours:
         if mine is None or base is None:
             return None
         engine, bound = document["settings"]["engine"], document["settings"]["memory_bound"]
+        fewer = throughput_report.none_fewer_text(document["results"])  # --none-requests
         return (f"{mine['tokens_per_s'] / base['tokens_per_s']:.2f}x",
                 f"SmolLM2-135M {engine['dtype']}, {bound['num_requests']} requests of {bound['prompt_tokens']} + "
-                f"{bound['gen_tokens']} tokens{_over_fewer(base, bound)}, a {bound['pool_blocks']}-block pool, "
+                f"{bound['gen_tokens']} tokens{fewer if over == 'none' else ''}, a {bound['pool_blocks']}-block pool, "
                 f"{_machine(document)} (`{name}`)")
     return read
-
-
-def _over_fewer(base: dict[str, Any], bound: dict[str, Any]) -> str:
-    """Where the baseline ran fewer of the requests (`throughput --none-requests`), say so."""
-    if base["requests"] >= bound["num_requests"]:
-        return ""
-    return (f" (`{base['policy']}` timed on {base['requests']} of them, one wave of the "
-            f"{base['max_num_seqs']} that fit at once)")
 
 
 def lazy_pruning(what: str) -> Ours:

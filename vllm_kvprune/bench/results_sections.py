@@ -175,20 +175,14 @@ def workload_text(workload: Any) -> str:
             f"{lookup(workload, 'gen_tokens')} tokens on {lookup(workload, 'pool_blocks')} blocks")
 
 
-def none_requests_text(settings: Mapping[str, Any]) -> str:
-    """`throughput --none-requests`: `none` timed on fewer of the same requests."""
-    bound, count = settings.get("memory_bound"), settings.get("none_requests")
-    if not isinstance(bound, Mapping) or count is None or count >= bound.get("num_requests", 0):
-        return ""
-    return f" (`none` timed on {count} of them: whole waves of the requests that fit at once)"
-
-
 def throughput_setup(document: Mapping[str, Any]) -> str:
+    from vllm_kvprune.bench import throughput_report
+
     engine, settings = lookup(document, "settings", "engine", default={}), lookup(document, "settings", default={})
     model = Path(engine["model"]).name if engine.get("model") else MISSING
     return (f"{model} {lookup(engine, 'dtype')}, block {lookup(engine, 'block_size')}, max_model_len "
             f"{lookup(engine, 'max_model_len')}; memory-bound: {workload_text(settings.get('memory_bound'))}"
-            f"{none_requests_text(settings)}; "
+            f"{throughput_report.none_fewer_text(document.get('results') or [])}; "
             f"overhead: {workload_text(settings.get('overhead')) if settings.get('overhead', MISSING) is not None else 'not run'}; OMP_WAIT_POLICY "
             f"{lookup(settings, 'engine_env', 'OMP_WAIT_POLICY')}; load average "
             f"{loads(lookup(document, 'timing', 'load_before'))} before, "

@@ -123,12 +123,24 @@ def fdc_pool_blocks(engine: EngineSettings, pool_blocks: int) -> int:
     return pool_blocks * full_width // sum(layers.layer_widths)
 
 
+def none_case(args: argparse.Namespace, bound: Workload, engine: EngineSettings) -> Case:
+    """`none`'s memory-bound case. With --none-requests it runs fewer of the same requests, in
+    whole waves of those it runs at once (its help says why that is fair); a part wave is refused."""
+    wave = none_max_num_seqs(args.none_max_seqs, bound, engine)
+    if args.none_requests is None:
+        return Case(MEMORY_BOUND, "none", None, bound, wave)
+    if args.none_max_seqs != "fit" or args.none_requests <= 0 or args.none_requests % wave:
+        raise SystemExit(
+            f"--none-requests {args.none_requests}: needs --none-max-seqs fit and a positive multiple "
+            f"of the {wave} requests `none` runs at once here (a part wave would understate it)"
+        )
+    fewer = dataclasses.replace(bound, num_requests=min(args.none_requests, bound.num_requests))
+    return Case(MEMORY_BOUND, "none", None, fewer, wave)
+
+
 def plan_cases(args: argparse.Namespace, engine: EngineSettings) -> tuple[Case, ...]:
     bound = Workload(args.requests, args.prompt_tokens, args.gen_tokens, args.pool_blocks)
-    # `none` may run fewer of the same requests (--none-requests' help says why that is fair).
-    none_bound = dataclasses.replace(bound, num_requests=min(args.none_requests or bound.num_requests,
-                                                             bound.num_requests))
-    cases = [Case(MEMORY_BOUND, "none", None, none_bound, none_max_num_seqs(args.none_max_seqs, bound, engine))]
+    cases = [none_case(args, bound, engine)]
     for policy in args.policies:
         if policy in KEEP_ALL:
             # Every token kept, like `none`, so it runs as many requests as fit whole (its best,
@@ -171,21 +183,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
             f"--pool-blocks {args.pool_blocks} cannot admit `none` at --max-model-len "
             f"{engine.max_model_len}: it needs at least {needed} blocks of {engine.block_size} tokens"
         )
-    check_none_requests(args, engine)
     return Plan(engine, plan_cases(args, engine))
-
-
-def check_none_requests(args: argparse.Namespace, engine: EngineSettings) -> None:
-    """--none-requests times whole waves only: a multiple of the requests `none` runs at once."""
-    if args.none_requests is None:
-        return
-    bound = Workload(args.requests, args.prompt_tokens, args.gen_tokens, args.pool_blocks)
-    wave = none_max_num_seqs(args.none_max_seqs, bound, engine)
-    if args.none_max_seqs != "fit" or args.none_requests <= 0 or args.none_requests % wave:
-        raise SystemExit(
-            f"--none-requests {args.none_requests}: needs --none-max-seqs fit and a positive multiple "
-            f"of the {wave} requests `none` runs at once here (a part wave would understate it)"
-        )
 
 
 def child_env(verbose: bool, omp_wait_policy: str) -> dict[str, str]:
@@ -365,7 +363,6 @@ def run_settings(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
         "engine": dataclasses.asdict(plan.engine),
         "quick": args.quick,
         "memory_bound": dataclasses.asdict(memory_bound_workload(plan)),
-        "none_requests": plan.cases[0].workload.num_requests,
         "overhead": dataclasses.asdict(overhead[-1].workload) if overhead else None,
         "overhead_budget": overhead[-1].budget if overhead else None,
         "budgets": list(args.budgets),

@@ -103,6 +103,18 @@ TABLE_COLUMNS = (
 )
 
 
+def none_fewer_text(rows: list[dict[str, Any]]) -> str:
+    """Where `none`'s memory-bound row ran fewer of the requests than the policies' rows
+    (`throughput --none-requests`): how many, and that they were whole waves."""
+    bound = [row for row in rows if row.get("setting") == MEMORY_BOUND]
+    none = next((row for row in bound if row.get("policy") == "none"), None)
+    most = max((row.get("requests", 0) for row in bound), default=0)
+    if none is None or none.get("requests", most) >= most:
+        return ""
+    return (f" (`none` timed on {none['requests']} of them: whole waves of the {none.get('max_num_seqs')} "
+            "that fit at once)")
+
+
 def table_cells(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     headers = [header for header, _, _ in TABLE_COLUMNS]
     body = [
