@@ -309,7 +309,8 @@ void decode_one_pass(const float* queries, int64_t k_rank, int64_t v_rank, const
         if (count < kLanes) std::fill(weights[r] + count, weights[r] + kLanes, -std::numeric_limits<float>::infinity());
         Vec16 lo = vload(weights[r]), hi = vload(weights[r] + 16);
         const float new_max = std::max(running_max[r], vreduce_max(vmax(lo, hi)));
-        const float rescale = exp_nonpositive(running_max[r] - new_max);  // 0 on the first chunk
+        // ~1e-38 on the first chunk, where the sums are still 0.
+        const float rescale = exp_nonpositive(running_max[r] - new_max);
         const Vec16 shift = vset1(new_max);
         lo = vexp_nonpositive(vsub(lo, shift));
         hi = vexp_nonpositive(vsub(hi, shift));
