@@ -16,6 +16,7 @@ from vllm_kvprune.config import KVPolicyConfig
 from vllm_kvprune.policies import H2OPolicy
 from vllm_kvprune.worker import runtime
 from vllm_kvprune.worker.backend import KVPruneImpl
+from vllm_kvprune.worker.kernel_sets import CPUKernels
 from vllm_kvprune.worker.head_map import SKIP, HeadSlotMap
 from vllm_kvprune.worker.state import StepRows, WorkerKVState
 
@@ -136,7 +137,7 @@ def test_each_head_keeps_its_own_heavy_hitter(interval):
     layout = kernels.vec_layout(torch.float32, BLOCK_SIZE, HEAD_DIM)
     kv_cache = torch.zeros(NUM_BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD_DIM)
     layer = SimpleNamespace(layer_name=LAYERS[0], isa="vec")
-    impl = SimpleNamespace(scale=HEAD_DIM ** -0.5)
+    impl = SimpleNamespace(scale=HEAD_DIM ** -0.5, kernels=CPUKernels())
     query, key, value = constructed_prompt(num_prompt + 12, favoured)
 
     def step(num_computed: int, num_new: int):

@@ -16,3 +16,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRET_SET_HERE = DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"
 if INTERPRET_SET_HERE:
     os.environ["TRITON_INTERPRET"] = "1"
+if DEVICE == "cpu":
+    # Triton's own library functions (`tl.max`, `tl.sum`, ...) are decorated when
+    # `triton.language` is first imported: now, under the interpreter, whichever test imports
+    # Triton first. Else a test that imports vLLM (which imports Triton) before the first
+    # Triton test would leave them compiled-mode functions, which an interpreted kernel cannot
+    # call ("Cannot call @triton.jit'd outside of the scope of a kernel").
+    import triton.language  # noqa: E402,F401

@@ -34,8 +34,13 @@ from vllm_kvprune.config import (
 logger = logging.getLogger("vllm_kvprune")
 
 SCHEDULER_CLS = "vllm_kvprune.engine.scheduler.KVPruneScheduler"
+ASYNC_SCHEDULER_CLS = "vllm_kvprune.engine.scheduler.KVPruneAsyncScheduler"
 WORKER_CLS = "vllm_kvprune.worker.cpu_worker.KVPruneCPUWorker"
 BACKEND_CLS = "vllm_kvprune.worker.backend.KVPruneCPUBackend"
+GPU_WORKER_CLS = "vllm_kvprune.worker.gpu_worker.KVPruneGPUWorker"
+GPU_BACKEND_CLS = "vllm_kvprune.worker.triton_backend.KVPruneTritonBackend"
+# The policies the GPU wrapper carries out (docs/GPU.md says why the others wait).
+GPU_POLICIES = ("streaming", "h2o", "paged_eviction")
 REQUEST_VALIDATOR = "vllm_kvprune.plugin:RequestValidator"
 CPU_DEFAULT_BLOCK_SIZE = 128
 
@@ -69,7 +74,7 @@ def register() -> None:
         _install_kv_spec()
         vllm_hooks.install_memory_hint(_memory_hint)
         vllm_hooks.install_prompt_check(check_prompt)
-        vllm_hooks.install_backend(BACKEND_CLS)
+        vllm_hooks.install_backend(BACKEND_CLS, GPU_BACKEND_CLS)
         _install_metrics()
     except Exception as exc:  # noqa: BLE001 - a broken plugin must not take vLLM down
         _install_error = exc
@@ -252,20 +257,52 @@ def _adjust_vllm_config(vllm_config, policy: KVPolicyConfig) -> None:
     global _frontend_policy, _frontend_block_size, _frontend_vllm_config
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu():
-        raise ValueError(f"kv_policy {policy.name!r} is not available on this platform yet (CPU only)")
+    if current_platform.is_cpu():
+        worker_cls, stock_worker = WORKER_CLS, "vllm.v1.worker.cpu_worker.CPUWorker"
+        if os.environ.get("VLLM_KVPRUNE_TRITON_ON_CPU") == "1":  # tests: the GPU wrapper, interpreted
+            _check_gpu_policy(policy)
+    elif current_platform.is_cuda_alike():
+        worker_cls, stock_worker = GPU_WORKER_CLS, "vllm.v1.worker.gpu_worker.Worker"
+        _check_gpu_policy(policy)
+        _use_triton_attention(vllm_config)
+    else:
+        raise ValueError(f"kv_policy {policy.name!r} is not available on {current_platform.device_name} "
+                         "(CPU, CUDA and ROCm only)")
     block_size = vllm_config.cache_config.block_size
     policy.check_engine(block_size)
     check_fdc_file(policy, vllm_config.model_config.model)
     parallel = vllm_config.parallel_config
-    if parallel.worker_cls not in ("auto", "vllm.v1.worker.cpu_worker.CPUWorker", WORKER_CLS):
+    if parallel.worker_cls not in ("auto", stock_worker, worker_cls):
         raise ValueError(f"kv_policy needs its own worker; --worker-cls {parallel.worker_cls} is not supported")
-    parallel.worker_cls = WORKER_CLS
-    vllm_config.scheduler_config.scheduler_cls = SCHEDULER_CLS
+    parallel.worker_cls = worker_cls
+    vllm_config.scheduler_config.scheduler_cls = scheduler_cls(vllm_config.scheduler_config.async_scheduling)
     model_config = vllm_config.model_config
     model_config.logits_processors = [*(model_config.logits_processors or []), REQUEST_VALIDATOR]
     vllm_config.additional_config[ADDITIONAL_CONFIG_KEY] = policy.to_dict()
     _frontend_policy, _frontend_block_size, _frontend_vllm_config = policy, block_size, vllm_config
+
+
+def scheduler_cls(async_scheduling: bool | None) -> str:
+    """Our scheduler over the one vLLM would run: vLLM has resolved `async_scheduling` by the
+    time the engine config is adjusted (on unless something rules it out; off on a CPU)."""
+    return ASYNC_SCHEDULER_CLS if async_scheduling else SCHEDULER_CLS
+
+
+def _check_gpu_policy(policy: KVPolicyConfig) -> None:
+    """On a GPU only the policies the Triton wrapper carries out start."""
+    if policy.name not in GPU_POLICIES or policy.fdc:
+        what = f"kv_policy {policy.name!r}" + (" with fdc" if policy.fdc and policy.name != "fdc" else "")
+        raise ValueError(f"{what} does not run on a GPU yet (GPU: {', '.join(GPU_POLICIES)}; "
+                         "the kernels exist, the serving path does not: docs/GPU.md)")
+
+
+def _use_triton_attention(vllm_config) -> None:
+    """The GPU wrapper wraps TRITON_ATTN: chosen unless the user asked for another backend."""
+    asked = vllm_hooks.attention_backend_choice(vllm_config)
+    if asked is not None and getattr(asked, "name", str(asked)) != "TRITON_ATTN":
+        raise ValueError(f"kv_policy runs on the TRITON_ATTN attention backend on a GPU; "
+                         f"--attention-backend {getattr(asked, 'name', asked)} is not supported")
+    vllm_hooks.choose_triton_attention(vllm_config)
 
 
 def _memory_hint(vllm_config) -> str | None:

@@ -9,7 +9,7 @@ from vllm_kvprune import metrics, vllm_hooks
 from vllm_kvprune.config import REPORT_KEY, KVPolicyConfig, policy_from_vllm_config
 from vllm_kvprune.engine import checks
 from vllm_kvprune.engine.manager import KVPruneManager
-from vllm_kvprune.vllm_hooks import Scheduler
+from vllm_kvprune.vllm_hooks import AsyncScheduler, Scheduler
 
 logger = logging.getLogger("vllm_kvprune")
 
@@ -39,8 +39,9 @@ def _wants_report(request) -> bool:
     return bool(extra_args) and extra_args.get(REPORT_KEY) in (True, 1)
 
 
-class KVPruneScheduler(Scheduler):
-    """vLLM's scheduler, plus the per-request policy table the capped managers read.
+class KVPruneSchedulerMixin:
+    """Before vLLM's scheduler (`KVPruneScheduler`) or its async scheduler
+    (`KVPruneAsyncScheduler`): the per-request policy table the capped managers read.
 
     Admission: a request whose peak need (its prompt's prefill or its cap, in the policy's
     KV-cache group, plus what vLLM's own groups need, e.g. a hybrid model's sliding-window
@@ -261,6 +262,20 @@ class KVPruneScheduler(Scheduler):
     def held_blocks(self, request_id: str) -> int:
         """Real (non-null) blocks the request holds now, over all groups; for invariant checks."""
         return held_blocks(self, request_id)
+
+
+class KVPruneScheduler(KVPruneSchedulerMixin, Scheduler):
+    """vLLM's scheduler with the policies (`async_scheduling` off: always on a CPU)."""
+
+
+class KVPruneAsyncScheduler(KVPruneSchedulerMixin, AsyncScheduler):
+    """vLLM's async scheduler with the policies (`async_scheduling` on, vLLM's default on a
+    GPU): step N+1 is scheduled while step N runs, with a placeholder for N's token. Every
+    hook above reads the scheduler's own counts (computed tokens, prompt length), which
+    count that placeholder, so chunks, caps and admission are the same; what arrives one
+    step later is the worker's report (kept tokens, failures), which only metrics and fault
+    containment read, and a failed request's in-flight step is quarantined by the worker.
+    Head-page footprints (gvote) would arrive a step late too: gvote does not run on a GPU."""
 
 
 def held_blocks(scheduler, request_id: str, managers=None) -> int:

@@ -187,6 +187,10 @@ def lowest_mass_slots(mass: torch.Tensor, slots: torch.Tensor, logical: torch.Te
     ties to the older position; positions below ``sinks`` and from ``next_position - recent``
     on are never chosen."""
     slots = _as_slots(slots)
+    if mass.device.type != "cpu":
+        # A GPU's table: only the request's slots come to the host (the choice is planned there).
+        mass = mass[:, :, slots.to(mass.device)].cpu()
+        slots = torch.arange(mass.shape[-1])
     if not HAS_EXTENSION:
         return reference.lowest_mass_slots(mass, slots, logical, count, next_position, sinks, recent)
     if logical.dtype != torch.int64 or logical.stride(-1) != 1:

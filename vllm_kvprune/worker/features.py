@@ -36,6 +36,16 @@ from typing import Any, Callable
 from vllm_kvprune.config import KVPolicyConfig
 
 
+def _window_tokens(window: Any) -> int | None:
+    """The tokens a sliding window spans (None: no window). vLLM's CPU impl stores the window
+    (-1: none); its GPU impls store the (left, right) reach, `(window - 1, 0)` for a decoder
+    and `(-1, -1)` for none."""
+    if isinstance(window, tuple):
+        left = window[0]
+        return None if left < 0 else int(left) + 1
+    return None if window in (None, -1) else int(window)
+
+
 class UnsupportedModelError(RuntimeError):
     """A policy cannot honour a feature of the model's attention; the message is one line."""
 
@@ -56,10 +66,9 @@ class LayerFeatures:
     @classmethod
     def of(cls, name: str, attention: Any) -> "LayerFeatures":
         impl = attention.impl
-        window = getattr(impl, "sliding_window", None)
         return cls(
             name=name,
-            sliding_window=None if window in (None, -1) else int(window),
+            sliding_window=_window_tokens(getattr(impl, "sliding_window", None)),
             softcap=float(getattr(impl, "logits_soft_cap", 0) or 0),
             alibi=getattr(impl, "alibi_slopes", None) is not None,
             sinks=getattr(impl, "sinks", None) is not None,

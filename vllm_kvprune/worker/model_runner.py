@@ -1,4 +1,8 @@
-"""The CPU model runner, telling the KV state which requests sit in which rows."""
+"""The model runners, telling the KV state which requests sit in which rows.
+
+`KVPruneRunnerMixin` is everything the policies need of a runner; it goes before vLLM's CPU
+runner here and before its GPU runner in `gpu_worker.py` (vLLM's CPU runner is a subclass of
+its GPU runner, so both have every method the mixin overrides)."""
 
 from __future__ import annotations
 
@@ -18,9 +22,9 @@ from vllm_kvprune.worker.voting import LayerVoter, gather_hidden
 logger = logging.getLogger("vllm_kvprune")
 
 
-class KVPruneCPUModelRunner(CPUModelRunner):
-    """`CPUModelRunner` that checks the model's attention against the policy, publishes
-    each step's rows and forgets finished requests."""
+class KVPruneRunnerMixin:
+    """Before a vLLM model runner: checks the model's attention against the policy,
+    publishes each step's rows and forgets finished requests."""
 
     def __init__(self, vllm_config, device) -> None:
         super().__init__(vllm_config, device)
@@ -136,7 +140,7 @@ class KVPruneCPUModelRunner(CPUModelRunner):
                         sum(len(g.layer_names) for g, _ in windowed), sorted({s.sliding_window for _, s in windowed}))
         spec = specs[self.policy_group]
         self.kv_state.bind_cache(list(group.layer_names), kv_cache_config.num_blocks, spec.block_size,
-                                 self.model_config.get_total_num_kv_heads(), spec.num_kv_heads)
+                                 self.model_config.get_total_num_kv_heads(), spec.num_kv_heads, self.device)
         if isinstance(self.kv_state.scores, PagedLayers):
             self._attach_voters(self.kv_state.scores)
 
@@ -197,3 +201,7 @@ class KVPruneCPUModelRunner(CPUModelRunner):
             return super()._build_attention_metadata(num_tokens, num_reqs, max_query_len, *args, **kwargs)
         finally:
             self.kv_state.rows = None
+
+
+class KVPruneCPUModelRunner(KVPruneRunnerMixin, CPUModelRunner):
+    """vLLM's CPU runner with the policies' hooks."""

@@ -3,6 +3,7 @@ layer's attention impl carries out (see `worker/planners.py` for how it is plann
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -57,6 +58,26 @@ class StepPlan:
     votes: list[Vote] = field(default_factory=list)
     page_slot_mapping: torch.Tensor | None = None
     page_attention: PageAttention | None = None
+
+    def to_device(self, device: torch.device | str) -> StepPlan:
+        """What every layer reads of the plan, copied to `device` once per step (a GPU's: not
+        once per layer): slots, moves and the queries whose mass is kept. What the host reads
+        (prompt slots for a choice, sink anchors, lengths) stays there. In place."""
+        def moved(tensor):
+            return None if tensor is None else tensor.to(device, non_blocking=True)
+
+        def moved_pair(tensors):
+            return None if tensors is None else (moved(tensors[0]), moved(tensors[1]))
+
+        self.layer_slot_mapping = moved(self.layer_slot_mapping)
+        self.head_slot_mapping = moved(self.head_slot_mapping)
+        self.head_moves, self.pre_moves, self.post_moves = (moved_pair(self.head_moves), moved_pair(self.pre_moves),
+                                                            moved_pair(self.post_moves))
+        queries = self.mass_queries
+        if queries is not None:
+            self.mass_queries = dataclasses.replace(queries, tokens=moved(queries.tokens), rows=moved(queries.rows),
+                                                    key_counts=moved(queries.key_counts))
+        return self
 
 
 @dataclass

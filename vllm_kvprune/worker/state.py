@@ -85,11 +85,13 @@ class LayerScores:
     """Per-slot token scores of every layer, `[layers, num_blocks * block_size]`, indexed by
     global slot like the cache itself, so a block's mean is one reshaped slice."""
 
-    def __init__(self, layer_names: list[str], num_blocks: int, block_size: int, total_kv_heads: int) -> None:
+    def __init__(self, layer_names: list[str], num_blocks: int, block_size: int, total_kv_heads: int,
+                 device: torch.device | str = "cpu") -> None:
         self.layer_index = {name: i for i, name in enumerate(layer_names)}
         self.block_size = block_size
         self.total_kv_heads = total_kv_heads
-        self.by_slot = torch.zeros(len(layer_names), num_blocks * block_size, dtype=torch.float32)
+        # Beside the cache (its device): scores are written with the tokens, in every layer.
+        self.by_slot = torch.zeros(len(layer_names), num_blocks * block_size, dtype=torch.float32, device=device)
 
     @property
     def num_layers(self) -> int:
@@ -102,10 +104,11 @@ class LayerScores:
         per_block = self.by_slot.view(self.num_layers, -1, self.block_size)
         layers = torch.arange(self.num_layers)[:, None]
         sums = per_block[layers, torch.from_numpy(block_ids)].sum(dim=-1)
-        return _sum_over_ranks(sums) / (self.block_size * self.total_kv_heads)
+        return (_sum_over_ranks(sums) / (self.block_size * self.total_kv_heads)).cpu()
 
     def token_means(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        return _sum_over_ranks(self.by_slot[layer, slots]) / self.total_kv_heads
+        """Mean token score of `slots` in `layer`, on the host (where choices are made)."""
+        return (_sum_over_ranks(self.by_slot[layer, slots]) / self.total_kv_heads).cpu()
 
 
 class PagedLayers:
@@ -132,9 +135,12 @@ class HeadMass:
     num_blocks * block_size]`, indexed by global slot like the cache. Each head is decided on
     by the rank that holds it, so no rank needs another's mass."""
 
-    def __init__(self, layer_names: list[str], num_blocks: int, block_size: int, num_heads: int) -> None:
+    def __init__(self, layer_names: list[str], num_blocks: int, block_size: int, num_heads: int,
+                 device: torch.device | str = "cpu") -> None:
         self.layer_index = {name: i for i, name in enumerate(layer_names)}
-        self.by_slot = torch.zeros(len(layer_names), num_heads, num_blocks * block_size, dtype=torch.float32)
+        # Beside the cache (its device): the attention kernel adds to it in every layer.
+        self.by_slot = torch.zeros(len(layer_names), num_heads, num_blocks * block_size, dtype=torch.float32,
+                                   device=device)
 
     @property
     def num_layers(self) -> int:
@@ -146,14 +152,14 @@ class HeadMass:
 
     def move(self, layer: int, sources: torch.Tensor, destinations: torch.Tensor) -> None:
         """Mass follows tokens moved per head (`[M, heads]` global slots, SKIP ignored)."""
-        heads = torch.arange(self.num_heads).expand_as(destinations)
+        heads = torch.arange(self.num_heads, device=destinations.device).expand_as(destinations)
         moved = destinations != SKIP
         layer_mass = self.by_slot[layer]
         layer_mass[heads[moved], destinations[moved]] = layer_mass[heads[moved], sources[moved]]
 
     def reset(self, layer: int, slots: torch.Tensor) -> None:
         """New tokens start with no mass (`[T, heads]` global slots)."""
-        self.by_slot[layer][torch.arange(self.num_heads).expand_as(slots), slots] = 0.0
+        self.by_slot[layer][torch.arange(self.num_heads, device=slots.device).expand_as(slots), slots] = 0.0
 
 
 def _sum_over_ranks(local_sums: torch.Tensor) -> torch.Tensor:
@@ -204,14 +210,15 @@ class WorkerKVState:
         self.sink_rotations: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {}
 
     def bind_cache(self, layer_names: list[str], num_blocks: int, block_size: int, total_kv_heads: int,
-                   local_kv_heads: int | None = None) -> None:
+                   local_kv_heads: int | None = None, device: torch.device | str = "cpu") -> None:
         """Called once the KV cache is allocated; scored policies keep scores per slot
-        (`local_kv_heads`: this rank's share of the heads, all of them by default)."""
+        (`local_kv_heads`: this rank's share of the heads, all of them by default), on the
+        cache's `device`."""
         granularity = self.policy.granularity if self.policy is not None else None
         if granularity == "block":
-            self.scores = LayerScores(layer_names, num_blocks, block_size, total_kv_heads)
+            self.scores = LayerScores(layer_names, num_blocks, block_size, total_kv_heads, device)
         elif granularity == "head":
-            self.scores = HeadMass(layer_names, num_blocks, block_size, local_kv_heads or total_kv_heads)
+            self.scores = HeadMass(layer_names, num_blocks, block_size, local_kv_heads or total_kv_heads, device)
         elif granularity == "headpage":
             self.scores = PagedLayers(layer_names, block_size, local_kv_heads or total_kv_heads)
 

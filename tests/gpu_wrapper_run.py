@@ -1,0 +1,58 @@
+"""Helper for test_gpu_wrapper: vLLM engines on this CPU running the GPU wrapper
+(TRITON_ATTN: vLLM's Triton kernels and ours, in Triton's interpreter), one after another in
+this process; greedy tokens and logprobs as JSON, and which attention impl the layers ran.
+
+    TRITON_INTERPRET=1 VLLM_KVPRUNE_TRITON_ON_CPU=1 python gpu_wrapper_run.py CASES.json OUT.json
+
+CASES: a list of {"model", "policy", "requests": [{"prompt": token ids, "extra_args": {...}}],
+"max_tokens", "block_size", "kv_blocks"}. OUT: a list of {"results", "impls", "seconds"} or
+{"error"} (the start-up refusal of a case).
+"""
+
+import gc
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_KVPRUNE_CHECK", "1")
+
+
+def run_case(case: dict) -> dict:
+    from conftest import engine
+    from vllm import SamplingParams
+
+    from vllm_kvprune import vllm_hooks
+
+    started = time.perf_counter()
+    requests = case["requests"]
+    params = [SamplingParams(temperature=0, max_tokens=case["max_tokens"], ignore_eos=True, logprobs=0,
+                             extra_args=request.get("extra_args")) for request in requests]
+    try:
+        with engine(case["model"], case["policy"], kv_blocks=case["kv_blocks"], block_size=case["block_size"],
+                    max_num_seqs=8) as llm:
+            outputs = llm.generate([{"prompt_token_ids": request["prompt"]} for request in requests], params,
+                                   use_tqdm=False)
+            runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+            layers = vllm_hooks.attention_layers(runner.vllm_config).values()
+            impls = sorted({type(layer.impl).__name__ for layer in layers})
+    except Exception as exc:  # noqa: BLE001 - reported to the test, which decides
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        gc.collect()
+    results = []
+    for output in outputs:
+        completion = output.outputs[0]
+        token_ids = list(completion.token_ids)
+        results.append({"token_ids": token_ids,
+                        "logprobs": [completion.logprobs[i][t].logprob for i, t in enumerate(token_ids)]})
+    return {"results": results, "impls": impls, "seconds": time.perf_counter() - started}
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(__file__))
+    cases = json.loads(open(sys.argv[1]).read())
+    with open(sys.argv[2], "w") as handle:
+        json.dump([run_case(case) for case in cases], handle)

@@ -1,0 +1,158 @@
+"""The GPU wrapper (vLLM's TRITON_ATTN with the policies) in a real vLLM engine.
+
+This machine has no GPU, so the engine runs on the CPU with the GPU wrapper in place of the
+CPU one (`VLLM_KVPRUNE_TRITON_ON_CPU=1`): the shared step planning, the impl's work around the
+kernel with our Triton kernels (`TritonKernels`), and vLLM's own Triton kernels for the cache
+write and the attention, all in Triton's interpreter. The proof is the policy's reference
+implementation, as for the CPU wrapper. The engine runs in a subprocess: the wrapper is chosen
+when the plugin registers, once per process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from test_streaming_engine import prompts
+
+RUNNER = Path(__file__).with_name("gpu_wrapper_run.py")
+SINKS = 4
+
+
+def policy_cases(model: str) -> dict[str, dict]:
+    """One engine per policy the GPU wrapper runs, each with requests that evict in decode
+    and prune their prompt, plus one policy it refuses. Few tokens: vLLM's Triton attention is
+    slow in the interpreter (about 3 s a step here; h2o's decode runs our kernel instead)."""
+    def case(policy, lengths, overrides, max_tokens, block_size=32, seed=3):
+        return dict(model=model, policy=policy, max_tokens=max_tokens, block_size=block_size, kv_blocks=64,
+                    requests=[{"prompt": p, "extra_args": o or None} for p, o in zip(prompts(lengths, seed), overrides)])
+
+    return {
+        # Sinks re-anchored with the layer's RoPE on the cache's device (`positions: cache`), a
+        # full prompt compacted after its last chunk, lazy pruning (R = 8) and in-place decode
+        # (R = 1), a second budget, a prompt shorter than the sinks.
+        "streaming": case({"name": "streaming", "budget": 64, "sinks": SINKS, "prune_interval": 8,
+                           "positions": "cache", "prefill": "full"},
+                          (3, 100, 150), [{}, {"kv_prune_interval": 1}, {"kv_budget": 96}], 24),
+        # Attention mass on the device (our Triton kernel, fused with decode attention), victims
+        # chosen on the host from the requests' slots, per-head writes and moves.
+        "h2o": case({"name": "h2o", "budget": 64, "sinks": SINKS, "prune_interval": 1},
+                    (20, 150), [{}, {"kv_prune_interval": 4}], 32),
+        # Token scores written beside the cache on the device, per-layer block tables.
+        "paged_eviction": case({"name": "paged_eviction", "budget": 96, "sinks": SINKS, "prune_interval": 1},
+                               (150, 200), [{}, {}], 32),
+        "gvote": case({"name": "gvote"}, (3,), [{}], 4),
+    }
+
+
+def reference_for(model, policy: dict, override: dict):
+    from vllm_kvprune.config import KVPolicyConfig
+
+    settings = {**policy, **{key.removeprefix("kv_"): value for key, value in override.items()}}
+    name = settings.pop("name")
+    if name == "streaming":
+        from vllm_kvprune.reference.streaming import StreamingLLMReference
+
+        return StreamingLLMReference(model, **settings)
+    if name == "h2o":
+        from vllm_kvprune.reference.h2o import H2OReference
+
+        recent = KVPolicyConfig.from_dict({"name": "h2o", **settings}).recent_size
+        return H2OReference(model, budget=settings["budget"], recent=recent, sinks=settings["sinks"],
+                            prune_interval=settings["prune_interval"])
+    from vllm_kvprune.reference.paged_eviction import PagedEvictionReference
+
+    return PagedEvictionReference(model, block_size=32, **settings)
+
+
+@pytest.fixture(scope="module")
+def wrapper_runs(tiny_model, tmp_path_factory):
+    """Every case's engine, in one subprocess (the interpreter's kernels are built once)."""
+    folder = tmp_path_factory.mktemp("gpu_wrapper")
+    cases = policy_cases(tiny_model)
+    (folder / "cases.json").write_text(json.dumps(list(cases.values())))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "VLLM_KVPRUNE_TRITON_ON_CPU": "1"}
+    done = subprocess.run([sys.executable, str(RUNNER), str(folder / "cases.json"), str(folder / "out.json")],
+                          env=env, capture_output=True, text=True, timeout=2400)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return cases, dict(zip(cases, json.loads((folder / "out.json").read_text())))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["streaming", "h2o", "paged_eviction"])
+def test_policy_on_the_gpu_wrapper_matches_the_reference(wrapper_runs, reference_model, name):
+    cases, runs = wrapper_runs
+    case, run = cases[name], runs[name]
+    assert "error" not in run, run.get("error")
+    assert run["impls"] == ["KVPruneTritonImpl"]
+    for request, got in zip(case["requests"], run["results"]):
+        prompt, override = request["prompt"], request["extra_args"] or {}
+        expected = reference_for(reference_model, case["policy"], override).generate(prompt, case["max_tokens"],
+                                                                                     prompt_logprobs=False)
+        assert got["token_ids"] == expected.token_ids, f"prompt of {len(prompt)}, {override}"
+        assert np.max(np.abs(np.array(got["logprobs"]) - np.array(expected.logprobs))) < 1e-3
+
+
+@pytest.mark.slow
+def test_a_policy_the_gpu_wrapper_cannot_run_refuses_at_start_up(wrapper_runs):
+    _, runs = wrapper_runs
+    assert "kv_policy 'gvote' does not run on a GPU yet (GPU: streaming, h2o, paged_eviction" in runs["gvote"]["error"]
+
+
+def test_gpu_start_up_checks():
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from vllm_kvprune import plugin
+    from vllm_kvprune.config import KVPolicyConfig
+
+    for name in ("streaming", "h2o", "paged_eviction"):
+        plugin._check_gpu_policy(KVPolicyConfig(name=name))
+    for policy, named in ((KVPolicyConfig(name="gvote"), "'gvote'"),
+                          (KVPolicyConfig(name="streaming", fdc="rotations.safetensors"), "'streaming' with fdc"),
+                          (KVPolicyConfig(name="fdc", fdc="rotations.safetensors"), "'fdc'")):
+        with pytest.raises(ValueError, match=f"kv_policy {named} does not run on a GPU yet"):
+            plugin._check_gpu_policy(policy)
+    chosen = SimpleNamespace(attention_config=SimpleNamespace(backend=None))
+    plugin._use_triton_attention(chosen)
+    assert chosen.attention_config.backend == AttentionBackendEnum.TRITON_ATTN
+    plugin._use_triton_attention(chosen)  # asked for by name: kept
+    asked = SimpleNamespace(attention_config=SimpleNamespace(backend=AttentionBackendEnum.FLASH_ATTN))
+    with pytest.raises(ValueError, match="--attention-backend FLASH_ATTN is not supported"):
+        plugin._use_triton_attention(asked)
+
+
+def test_window_of_every_impl_kind():
+    """vLLM's CPU impl stores a window's span, its GPU impls the (left, right) reach."""
+    from vllm_kvprune.worker.features import LayerFeatures
+
+    def window(stored):
+        return LayerFeatures.of("layer", SimpleNamespace(impl=SimpleNamespace(sliding_window=stored))).sliding_window
+
+    assert [window(w) for w in (None, -1, 4096, (-1, -1), (4095, 0))] == [None, None, 4096, None, 4096]
+
+
+def test_the_scheduler_follows_async_scheduling():
+    """vLLM's default on a GPU is async scheduling: the policies' scheduler then extends
+    vLLM's AsyncScheduler, with every hook of ours in front of it."""
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from vllm_kvprune import plugin
+    from vllm_kvprune.engine.scheduler import KVPruneSchedulerMixin
+
+    sync, asynchronous = (resolve_obj_by_qualname(plugin.scheduler_cls(flag)) for flag in (False, True))
+    assert resolve_obj_by_qualname(plugin.scheduler_cls(None)) is sync
+    assert issubclass(asynchronous, AsyncScheduler) and not issubclass(sync, AsyncScheduler)
+    ours = [name for name, member in vars(KVPruneSchedulerMixin).items() if callable(member)]
+    assert "_reserve_prefill_lookahead" in ours and "update_from_output" in ours
+    for cls, base in ((sync, Scheduler), (asynchronous, AsyncScheduler)):
+        assert cls.__mro__.index(KVPruneSchedulerMixin) < cls.__mro__.index(base)
+        for name in ours:
+            assert getattr(cls, name) is getattr(KVPruneSchedulerMixin, name), (cls.__name__, name)

@@ -1,0 +1,161 @@
+"""The impl's work around the attention kernel (`PolicyAttentionImpl`, shared by the CPU and GPU
+wrappers) carried out with the GPU kernel set: step plans, writes to planned slots, moves,
+attention mass and token scores on the cache's device, prompt pruning, the victims chosen on
+the host. `streaming`, `h2o` and `paged_eviction` steps run twice, with `TritonKernels` on
+`DEVICE` (the GPU; Triton's interpreter here) and with the torch references on CPU tensors (the
+references the C++ and Triton kernels are tested against, over vLLM's GPU layout); caches,
+score tables, choices and attention outputs must agree.
+
+No vLLM and no conftest: on a GPU machine `pytest -m triton --noconftest tests/` runs this, and
+there it is the check that every tensor the wrapper hands a kernel is on the cache's device.
+vLLM's own cache write, which the impl calls through its parent, is stood in for by the same
+kernel set's write."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import triton_setup  # noqa: F401 - before Triton is imported
+import numpy as np
+import pytest
+import torch
+
+from triton_setup import DEVICE
+from vllm_kvprune.config import KVPolicyConfig
+from vllm_kvprune.kernels import reference
+from vllm_kvprune.kernels.layout import gpu_layout
+from vllm_kvprune.worker import runtime
+from vllm_kvprune.worker.kernel_sets import KernelSet, TritonKernels
+from vllm_kvprune.worker.policy_attention import PolicyAttentionImpl, _layer_block_tables
+from vllm_kvprune.worker.state import StepRows, WorkerKVState
+
+pytestmark = pytest.mark.triton
+
+BLOCK_SIZE, HEADS, GROUP, HEAD_DIM, NUM_BLOCKS = 16, 2, 2, 32, 24
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+# Two requests, each over its own blocks of the pool (vLLM's block-table rows).
+BLOCK_ROWS = np.array([[3, 9, 4, 17, 0, 22, 6, 11], [5, 2, 20, 8, 13, 1, 15, 7]], np.int32)
+PROMPTS = (70, 40)
+DECODE_STEPS = 20
+
+POLICIES = {
+    "streaming": {"name": "streaming", "budget": 48, "sinks": 4, "prune_interval": 4, "prefill": "full"},
+    "h2o": {"name": "h2o", "budget": 48, "sinks": 4, "recent": 8, "prune_interval": 2},
+    "paged_eviction": {"name": "paged_eviction", "budget": 48, "sinks": 4, "prune_interval": 1},
+}
+
+
+class ReferenceKernels(KernelSet):
+    """The torch references over vLLM's GPU layout, on CPU tensors."""
+
+    @staticmethod
+    def layout(kv_cache: torch.Tensor):
+        return gpu_layout(kv_cache.dtype, kv_cache.shape[2], kv_cache.shape[3] // 2)
+
+    def write_slots(self, layer, key, value, kv_cache, slots) -> None:
+        reference.write_slots(key, value, kv_cache, slots.cpu().long(), self.layout(kv_cache))
+
+    def copy_slots(self, layer, kv_cache, sources, destinations) -> None:
+        reference.copy_slots(kv_cache, sources.cpu().long(), destinations.cpu().long(), self.layout(kv_cache))
+
+    def read_slots(self, layer, kv_cache, slots):
+        return reference.read_slots(kv_cache, slots.cpu().long(), self.layout(kv_cache))
+
+    def attention_mass(self, layer, query, kv_cache, block_table, query_rows, key_counts, scale, mass, output,
+                       softcap) -> None:
+        reference.attention_mass(query, kv_cache, self.layout(kv_cache), block_table.cpu(), query_rows.cpu().long(),
+                                 key_counts.cpu().long(), scale, mass, output, softcap)
+
+
+class VllmCacheWrite:
+    """Stands in for the vLLM impl the mixin goes before: its cache write (vLLM's op writes the
+    slot mapping's slots, skipping -1) through the set's own write."""
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        self.kernels.write_slots(layer, key[: len(slot_mapping)], value[: len(slot_mapping)], kv_cache, slot_mapping)
+
+
+class StepImpl(PolicyAttentionImpl, VllmCacheWrite):
+    def __init__(self, kernels: KernelSet) -> None:
+        self.kernels = kernels
+        self.num_heads, self.num_kv_heads, self.head_size = HEADS * GROUP, HEADS, HEAD_DIM
+        self.scale, self.logits_soft_cap = HEAD_DIM ** -0.5, 0
+        self.step_plan = None
+
+    def _plan(self, layer):
+        return self.step_plan  # in vLLM: the step's metadata in the forward context
+
+
+def token_inputs(layer: int, request: int, positions: range) -> tuple[torch.Tensor, ...]:
+    """q [n, Hq, D], k, v [n, H, D] of a request's tokens in a layer: the same in every run."""
+    out = []
+    for position in positions:
+        generator = torch.Generator().manual_seed(layer * 1_000_003 + request * 10_007 + position)
+        out.append((torch.randn(HEADS * GROUP, HEAD_DIM, generator=generator),
+                    torch.randn(HEADS, HEAD_DIM, generator=generator),
+                    torch.randn(HEADS, HEAD_DIM, generator=generator)))
+    return tuple(torch.stack(part) for part in zip(*out))
+
+
+def run_steps(policy: dict, kernels: KernelSet, device: str) -> dict:
+    """The two requests' prompts (one step each, then both decoding together), every layer's
+    impl work as the wrapper does it; what the run leaves behind, on the host."""
+    state = WorkerKVState(KVPolicyConfig.from_dict(policy))
+    state.bind_cache(LAYERS, NUM_BLOCKS, BLOCK_SIZE, HEADS, HEADS, device=device)
+    runtime.install(state)
+    caches = [torch.zeros(NUM_BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD_DIM, device=device) for _ in LAYERS]
+    impl, layers = StepImpl(kernels), [SimpleNamespace(layer_name=name) for name in LAYERS]
+    block_table = torch.from_numpy(BLOCK_ROWS).to(device)
+    outputs = []
+    schedule = [([0], [PROMPTS[0]], [0]), ([0], [PROMPTS[1]], [1])]
+    schedule += [([PROMPTS[0] + i, PROMPTS[1] + i], [1, 1], [0, 1]) for i in range(DECODE_STEPS)]
+    try:
+        for num_computed, num_new, rows in schedule:
+            state.rows = StepRows([f"r{r}" for r in rows], np.array(num_computed), np.array([PROMPTS[r] for r in rows]),
+                                  BLOCK_ROWS[rows], [None] * len(rows))
+            plan = state.plan(np.concatenate([[0], np.cumsum(num_new)]), BLOCK_SIZE).to_device(device)
+            impl.step_plan = plan
+            table = block_table[rows].contiguous()
+            layer_tables = _layer_block_tables(table, plan, state)
+            for index, (layer, kv_cache) in enumerate(zip(layers, caches)):
+                parts = [token_inputs(index, r, range(c, c + n)) for r, c, n in zip(rows, num_computed, num_new)]
+                query, key, value = (torch.cat(part).to(device) for part in zip(*parts))
+                impl.do_kv_cache_update(layer, key, value, kv_cache, plan.slot_mapping.to(device))
+                if plan.mass_queries is not None:
+                    metadata = SimpleNamespace(block_table=table)
+                    if plan.mass_queries.decode_only:  # the fused decode: attention output and mass
+                        output = torch.zeros_like(query)
+                        impl._accumulate_mass(layer, query, kv_cache, metadata, plan, output=output)
+                        outputs.append(output.cpu())
+                    else:
+                        impl._accumulate_mass(layer, query, kv_cache, metadata, plan)
+                impl._after_attention(layer, kv_cache, plan)
+            if layer_tables is not None:
+                outputs.append(layer_tables.cpu())
+        scores = state.scores.by_slot.cpu() if state.scores is not None else None
+        return {"caches": [cache.cpu() for cache in caches], "scores": scores, "outputs": outputs,
+                "kept": {rid: request.kept_choices() for rid, request in state.requests.items()}}
+    finally:
+        runtime.install(None)
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_policy_steps_with_the_gpu_kernel_set_match_the_references(name, monkeypatch):
+    from vllm_kvprune import vllm_hooks
+
+    # One process, no tensor parallelism: vLLM's all-reduce over a group of one returns its input.
+    monkeypatch.setattr(vllm_hooks, "tp_all_reduce", lambda tensor: tensor)
+    policy = POLICIES[name]
+    expected = run_steps(policy, ReferenceKernels(), "cpu")
+    got = run_steps(policy, TritonKernels(), DEVICE)
+    assert got["kept"] == expected["kept"]
+    kind, kept = got["kept"]["r0"]  # the longer request has evicted: within its budget (+ R lazily)
+    held = len(kept) if kind == "slots" else len(kept[0][0]) if kind == "heads" else len(kept[0])
+    assert 0 < held <= policy["budget"] + policy["prune_interval"] < PROMPTS[0] + DECODE_STEPS
+    for got_cache, expected_cache in zip(got["caches"], expected["caches"]):
+        assert torch.equal(got_cache, expected_cache)  # bit copies and writes
+    if expected["scores"] is not None:
+        torch.testing.assert_close(got["scores"], expected["scores"], atol=1e-5, rtol=1e-4)
+    assert len(got["outputs"]) == len(expected["outputs"])
+    for got_output, expected_output in zip(got["outputs"], expected["outputs"]):
+        torch.testing.assert_close(got_output, expected_output.to(got_output.dtype), atol=2e-4, rtol=1e-3)

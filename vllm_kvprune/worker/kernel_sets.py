@@ -1,0 +1,116 @@
+"""The kernels an attention wrapper runs on a layer's cache, one set per platform.
+
+The wrappers (`backend.py` on CPU, `triton_backend.py` on GPU) share the step planning and
+everything the impl does around vLLM's attention kernel; what differs is which kernels move,
+write, read and score tokens in the cache. Both sets take the same arguments (a layer, its
+cache `[num_blocks, H, block_size, 2 * head_size]`, slots from the step plan) and both are
+tested against the same torch references (`kernels.reference`).
+
+- `CPUKernels`: the C++ extension (`vllm_kvprune.kernels`) over the cache layout vLLM's CPU
+  kernel uses for this layer's ISA (probed once per shape).
+- `TritonKernels`: the Triton kernels (`vllm_kvprune.kernels.triton`) over vLLM's GPU layout
+  (HND or NHD strides, read from the tensor). Plans are built on the host; their index tensors
+  are copied to the cache's device here, without a sync, and the kernels skip their range
+  checks (a check reads slots back to the host), since the worker's own maps made the slots.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_kvprune import kernels
+
+
+class KernelSet:
+    """What the impl needs besides vLLM's own kernels. Slots are global slot indices
+    (`block * block_size + offset`), `[n]` or per KV head `[n, H]`; -1 is skipped."""
+
+    name: str = "base"
+
+    def write_slots(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                    slots: torch.Tensor) -> None:
+        """New K/V `[T, H, D]` into `slots`, in place."""
+        raise NotImplementedError
+
+    def copy_slots(self, layer, kv_cache: torch.Tensor, sources: torch.Tensor, destinations: torch.Tensor) -> None:
+        """Whole tokens from `sources` to `destinations`, every source read before any write."""
+        raise NotImplementedError
+
+    def read_slots(self, layer, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V `[n, H, D]` held in `slots`."""
+        raise NotImplementedError
+
+    def attention_mass(self, layer, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                       query_rows: torch.Tensor, key_counts: torch.Tensor, scale: float, mass: torch.Tensor,
+                       output: torch.Tensor | None, softcap: float) -> None:
+        """H2O's attention mass added per slot (and the attention output when `output` is given);
+        the arguments are `kernels.attention_mass`'s."""
+        raise NotImplementedError
+
+
+class CPUKernels(KernelSet):
+    """The C++ ops over the layout of vLLM's CPU kernel for the layer's ISA."""
+
+    name = "cpu"
+
+    @staticmethod
+    def layout(layer, kv_cache: torch.Tensor):
+        _, _, block_size, packed = kv_cache.shape
+        return kernels.probe_layout(kv_cache.dtype, block_size, packed // 2, layer.isa)
+
+    def write_slots(self, layer, key, value, kv_cache, slots) -> None:
+        kernels.write_slots(key, value, kv_cache, slots, self.layout(layer, kv_cache))
+
+    def copy_slots(self, layer, kv_cache, sources, destinations) -> None:
+        kernels.copy_slots(kv_cache, sources, destinations, self.layout(layer, kv_cache))
+
+    def read_slots(self, layer, kv_cache, slots):
+        return kernels.read_slots(kv_cache, slots, self.layout(layer, kv_cache))
+
+    def attention_mass(self, layer, query, kv_cache, block_table, query_rows, key_counts, scale, mass, output,
+                       softcap) -> None:
+        kernels.attention_mass(query, kv_cache, self.layout(layer, kv_cache), block_table, query_rows, key_counts,
+                               scale, mass, output, softcap=softcap)
+
+
+class TritonKernels(KernelSet):
+    """The Triton kernels over vLLM's GPU cache layout; host index tensors go to the cache's
+    device asynchronously (pinned where the plan pinned them)."""
+
+    name = "triton"
+
+    @staticmethod
+    def _on(kv_cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        if index.device != kv_cache.device:
+            index = index.to(kv_cache.device, non_blocking=True)
+        return index if index.dtype == torch.int64 else index.to(torch.int64)
+
+    def write_slots(self, layer, key, value, kv_cache, slots) -> None:
+        from vllm_kvprune.kernels.triton import slot_ops
+
+        slot_ops.write_slots(_unit_last_stride(key), _unit_last_stride(value), kv_cache, self._on(kv_cache, slots),
+                             check_range=False)
+
+    def copy_slots(self, layer, kv_cache, sources, destinations) -> None:
+        from vllm_kvprune.kernels.triton import slot_ops
+
+        slot_ops.copy_slots(kv_cache, self._on(kv_cache, sources), self._on(kv_cache, destinations),
+                            check_range=False)
+
+    def read_slots(self, layer, kv_cache, slots):
+        from vllm_kvprune.kernels.triton import slot_ops
+
+        return slot_ops.read_slots(kv_cache, self._on(kv_cache, slots), check_range=False)
+
+    def attention_mass(self, layer, query, kv_cache, block_table, query_rows, key_counts, scale, mass, output,
+                       softcap) -> None:
+        from vllm_kvprune.kernels.triton import attention_mass
+
+        attention_mass.attention_mass(query, kv_cache, block_table.to(kv_cache.device, torch.int32),
+                                      self._on(kv_cache, query_rows), self._on(kv_cache, key_counts), scale, mass,
+                                      output, softcap)
+
+
+def _unit_last_stride(tokens: torch.Tensor) -> torch.Tensor:
+    """vLLM hands K/V as views of the fused QKV output: rows may be strided, dims must not."""
+    return tokens if tokens.stride(-1) == 1 else tokens.contiguous()
