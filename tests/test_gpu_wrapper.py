@@ -156,3 +156,23 @@ def test_the_scheduler_follows_async_scheduling():
         assert cls.__mro__.index(KVPruneSchedulerMixin) < cls.__mro__.index(base)
         for name in ours:
             assert getattr(cls, name) is getattr(KVPruneSchedulerMixin, name), (cls.__name__, name)
+
+
+def test_a_captured_cache_write_refuses():
+    """On a GPU the policy's cache write must run eagerly: vLLM's default piecewise graphs split
+    at it; Inductor graph partition or splitting ops without it refuse, naming them."""
+    from vllm_kvprune import plugin
+    from vllm_kvprune.config import KVPolicyConfig
+
+    def config(mode="FULL_AND_PIECEWISE", partition=False, ops=("vllm::unified_attention_with_output",
+                                                                "vllm::unified_kv_cache_update")):
+        return SimpleNamespace(compilation_config=SimpleNamespace(
+            cudagraph_mode=SimpleNamespace(name=mode), use_inductor_graph_partition=partition, splitting_ops=list(ops)))
+
+    policy = KVPolicyConfig(name="h2o")
+    plugin._check_graphs(policy, config())
+    plugin._check_graphs(policy, config(mode="NONE", partition=True, ops=()))  # eager: nothing is captured
+    with pytest.raises(ValueError, match="use_inductor_graph_partition would capture that write"):
+        plugin._check_graphs(policy, config(partition=True))
+    with pytest.raises(ValueError, match="splitting_ops without vllm::unified_kv_cache_update"):
+        plugin._check_graphs(policy, config(ops=("vllm::unified_attention_with_output",)))

@@ -265,6 +265,7 @@ def _adjust_vllm_config(vllm_config, policy: KVPolicyConfig) -> None:
         worker_cls, stock_worker = GPU_WORKER_CLS, "vllm.v1.worker.gpu_worker.Worker"
         _check_gpu_policy(policy)
         _use_triton_attention(vllm_config)
+        _check_graphs(policy, vllm_config)
     else:
         raise ValueError(f"kv_policy {policy.name!r} is not available on {current_platform.device_name} "
                          "(CPU, CUDA and ROCm only)")
@@ -294,6 +295,17 @@ def _check_gpu_policy(policy: KVPolicyConfig) -> None:
         what = f"kv_policy {policy.name!r}" + (" with fdc" if policy.fdc and policy.name != "fdc" else "")
         raise ValueError(f"{what} does not run on a GPU yet (GPU: {', '.join(GPU_POLICIES)}; "
                          "the kernels exist, the serving path does not: docs/GPU.md)")
+
+
+def _check_graphs(policy: KVPolicyConfig, vllm_config) -> None:
+    """The impl carries out each step's plan in Python around the kernels: the cache write
+    must run eagerly, never replayed from a captured CUDA graph (attention always is: its
+    builder reports no full-graph support)."""
+    problem = vllm_hooks.graphed_cache_write(vllm_config)
+    if problem is not None:
+        raise ValueError(f"kv_policy {policy.name!r} writes K/V through its own impl each step; CUDA graphs "
+                         f"with {problem} would capture that write (--compilation-config), or run with "
+                         "--enforce-eager")
 
 
 def _use_triton_attention(vllm_config) -> None:

@@ -210,6 +210,21 @@ def _interpret_vllm_triton_on_cpu() -> None:
     torch.cuda.get_device_capability = capability
 
 
+def graphed_cache_write(vllm_config) -> str | None:
+    """What would put the layers' cache write inside a captured CUDA graph (None: it runs
+    eagerly, through the impl, each step). By default vLLM splits its piecewise graphs at
+    `unified_kv_cache_update` as at attention; Inductor graph partition or a hand-set
+    `splitting_ops` without it would capture the write, and with it the policy's host logic."""
+    compilation = vllm_config.compilation_config
+    if getattr(compilation.cudagraph_mode, "name", "NONE") == "NONE":
+        return None
+    if compilation.use_inductor_graph_partition:
+        return "use_inductor_graph_partition"
+    if "vllm::unified_kv_cache_update" not in (compilation.splitting_ops or []):
+        return "splitting_ops without vllm::unified_kv_cache_update"
+    return None
+
+
 def attention_backend_choice(vllm_config) -> Any:
     """The attention backend the user asked for (None: vLLM chooses)."""
     return vllm_config.attention_config.backend

@@ -116,6 +116,13 @@ class PolicyAttentionImpl:
 
     kernels: KernelSet
 
+    def fused_rope_kvcache_supported(self) -> bool:
+        # The policies write K/V themselves (per head, scored, into planned slots): vLLM's
+        # RoPE + cache-write fusion would bypass `do_kv_cache_update`.
+        if runtime.worker_state() is not None and runtime.worker_state().engine_config.active:
+            return False
+        return super().fused_rope_kvcache_supported()
+
     def _plan(self, layer) -> StepPlan | None:
         return getattr(vllm_hooks.layer_metadata(layer.layer_name), "kvprune_plan", None)
 
