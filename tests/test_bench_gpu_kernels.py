@@ -30,3 +30,23 @@ def test_every_case_runs_and_agrees_with_torch(tmp_path):
         limit = 0.0 if row["case"] in ("gvote vote",) or row["case"].startswith("kv-update") else 2e-2
         assert row["max_abs_error"] <= limit, row
     assert document["machine"]["interpreter"] == (DEVICE == "cpu")
+
+
+def test_gpu_steps_runs_every_policy(tmp_path):
+    """The wrapper's per-step work, timed (`bench gpu-steps`): every policy's decode runs through
+    the shared impl with the GPU kernel set and evicts down to its budget; `none` keeps all."""
+    from vllm_kvprune.bench import gpu_steps
+
+    parser = argparse.ArgumentParser()
+    gpu_steps.add_arguments(parser)
+    assert gpu_steps.run(parser.parse_args(["--tiny", "--out", str(tmp_path / "steps")])) == 0
+    document = json.loads((tmp_path / "steps.json").read_text())
+    assert (tmp_path / "steps.png").stat().st_size > 0
+    shapes = gpu_steps.TINY if DEVICE == "cpu" else gpu_steps.FULL
+    rows = {row["policy"]: row for row in document["results"]}
+    assert list(rows) == list(gpu_steps.POLICIES)
+    assert rows["none"]["kept_tokens"] == shapes.prompt + shapes.decode_steps
+    for name in ("streaming", "h2o", "paged_eviction"):
+        cap = -(-(shapes.budget + 1) // shapes.block_size) * shapes.block_size  # whole blocks (paged_eviction)
+        assert 0 < rows[name]["kept_tokens"] <= cap < shapes.prompt + shapes.decode_steps
+        assert rows[name]["step_ms"] > 0 and rows[name]["vs_none"] > 0

@@ -23,6 +23,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "load",
     "ray_batch",
     "gpu_kernels",
+    "gpu_steps",
     "accuracy",
     "results_page",
 )

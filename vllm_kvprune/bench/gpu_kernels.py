@@ -506,15 +506,14 @@ def gpu_slug(device: str) -> str:
     return (model.group(1) if model else re.sub(r"[^A-Za-z0-9]+", "_", name)).lower()
 
 
-def machine(device: str) -> dict[str, Any]:
+def machine(device: str, module: str = "vllm_kvprune.bench.gpu_kernels", name: str = NAME) -> dict[str, Any]:
     import platform
 
     import triton
 
     info = {"device": device, "torch": torch.__version__, "triton": triton.__version__,
             "python": platform.python_version(), "interpreter": device == "cpu",
-            "command": ["python3", "-m", "vllm_kvprune.bench.gpu_kernels",
-                        *[arg for arg in sys.argv[1:] if arg != NAME]],
+            "command": ["python3", "-m", module, *[arg for arg in sys.argv[1:] if arg != name]],
             "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if device == "cuda":
         properties = torch.cuda.get_device_properties(0)

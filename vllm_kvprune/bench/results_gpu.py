@@ -1,5 +1,5 @@
 """Results-page sections of the GPU runs (`results/gpu/`): the kernels against torch on each GPU
-they ran on, and fdc's decode tile sweep."""
+they ran on, the GPU wrapper's work per decode step, and fdc's decode tile sweep."""
 
 from __future__ import annotations
 
@@ -79,4 +79,32 @@ def fdc_tiles_section(path: Path, doc_dir: Path) -> str:
              f"Command (on the GPU machine): `{command}`. {document.get('dtype')}; \"vs torch\" is torch SDPA at "
              "full width on the same inputs (it reads every dim of every key).",
              markdown_table(["case", "candidate", "ms", "vs torch"], rows)]
+    return "\n\n".join(parts)
+
+
+def steps_section(path: Path, doc_dir: Path) -> str:
+    """The GPU wrapper's own work per decode step (`bench gpu-steps`), each policy beside `none`."""
+    document = load(path)
+    machine = document.get("machine", {})
+    if machine.get("interpreter"):
+        return ""
+    shapes = document.get("shapes", {})
+    setup = (f"{machine.get('gpu', MISSING)}, torch {machine.get('torch', MISSING)}, Triton "
+             f"{machine.get('triton', MISSING)}, {document.get('dtype')}; batch {shapes.get('batch')}, "
+             f"{shapes.get('layers')} layers of {shapes.get('kv_heads')} KV heads x {shapes.get('group')} query heads, "
+             f"head size {shapes.get('head_dim')}, prompts of {shapes.get('prompt')} tokens, budget "
+             f"{shapes.get('budget')}; the median of {shapes.get('decode_steps', 0) - 2} decode steps, each ended by a "
+             "GPU sync. A step is every layer's KV work only (moves, cache write, attention, scores, the host's "
+             "plan); no model, and vLLM's own write and attention stood in for by our Triton kernels (the GPU "
+             "machine has no vLLM).")
+    rows = [[row["policy"], f"{row['step_ms']:.3f}", f"{row['plan_ms']:.3f}", str(row["kept_tokens"]),
+             MISSING if row.get("vs_none") is None else f"{row['vs_none']:.2f}x"] for row in document["results"]]
+    command = shown_command(machine.get("command")) if machine.get("command") else MISSING
+    parts = [f"### The GPU wrapper's work per decode step on {machine.get('gpu', 'a GPU')} (`{Path(path).name}`)",
+             f"Command (on the GPU machine, after `python3 setup.py build_ext --inplace`): `{command}`", setup,
+             markdown_table(["policy", "ms per step", "of which host planning", "tokens kept", "speed vs none"],
+                            rows)]
+    image = plot_link(path, doc_dir)
+    if image:
+        parts.append(image)
     return "\n\n".join(parts)

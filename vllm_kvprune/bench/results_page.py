@@ -171,6 +171,8 @@ def render(results_dir: Path, page_path: Path) -> str:
     # One section per GPU the kernels ran on (kernels_<gpu>.json), then the fdc tile sweeps.
     gpu_parts = [results_gpu.gpu_section(path, page_path.parent)
                  for path in sorted((results_dir / "gpu").glob("kernels*.json"))]
+    gpu_parts += [results_gpu.steps_section(path, page_path.parent)
+                  for path in sorted((results_dir / "gpu").glob("steps*.json"))]
     gpu_parts += [results_gpu.fdc_tiles_section(path, page_path.parent)
                   for pattern in ("fdc_tiles*.json", "fdc_layout*.json")
                   for path in sorted((results_dir / "gpu").glob(pattern))]

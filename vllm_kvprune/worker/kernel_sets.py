@@ -40,6 +40,12 @@ class KernelSet:
         """K and V `[n, H, D]` held in `slots`."""
         raise NotImplementedError
 
+    def store_token_scores(self, layer, key: torch.Tensor, value: torch.Tensor, scores_row: torch.Tensor,
+                           slots: torch.Tensor, policy) -> None:
+        """paged_eviction: each new token's score (`policy.token_scores`) into `scores_row` at
+        its slot (one layer's row of the score table)."""
+        scores_row[slots] = policy.token_scores(key, value)
+
     def attention_mass(self, layer, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                        query_rows: torch.Tensor, key_counts: torch.Tensor, scale: float, mass: torch.Tensor,
                        output: torch.Tensor | None, softcap: float) -> None:
@@ -101,6 +107,14 @@ class TritonKernels(KernelSet):
         from vllm_kvprune.kernels.triton import slot_ops
 
         return slot_ops.read_slots(kv_cache, self._on(kv_cache, slots), check_range=False)
+
+    def store_token_scores(self, layer, key, value, scores_row, slots, policy) -> None:
+        # The policy's expression (sum over heads of ||V|| / ||K||) fused in one launch; tested
+        # against `PagedEvictionPolicy.token_scores`.
+        from vllm_kvprune.kernels.triton import block_scores
+
+        block_scores.store_token_scores(_unit_last_stride(key), _unit_last_stride(value), scores_row,
+                                        self._on(scores_row, slots), check_range=False)
 
     def attention_mass(self, layer, query, kv_cache, block_table, query_rows, key_counts, scale, mass, output,
                        softcap) -> None:

@@ -199,7 +199,8 @@ class PolicyAttentionImpl:
         slots = plan.layer_slot_mapping[layer_index]
         num_tokens = len(slots)
         key, value = key[:num_tokens], value[:num_tokens]
-        worker_state.scores.by_slot[layer_index, slots] = worker_state.policy.token_scores(key, value)
+        self.kernels.store_token_scores(layer, key, value, worker_state.scores.by_slot[layer_index], slots,
+                                        worker_state.policy)
         super().do_kv_cache_update(layer, key, value, kv_cache, slots)
 
     def _write_per_head(self, layer, key, value, kv_cache, plan: StepPlan) -> None:
