@@ -31,8 +31,10 @@ def run_case(case: dict) -> dict:
     params = [SamplingParams(temperature=0, max_tokens=case["max_tokens"], ignore_eos=True, logprobs=0,
                              extra_args=request.get("extra_args")) for request in requests]
     try:
+        # Few batched tokens: vLLM's start-up profiling runs a batch that large through the
+        # (interpreted) kernels.
         with engine(case["model"], case["policy"], kv_blocks=case["kv_blocks"], block_size=case["block_size"],
-                    max_num_seqs=8) as llm:
+                    max_num_seqs=8, max_num_batched_tokens=256) as llm:
             outputs = llm.generate([{"prompt_token_ids": request["prompt"]} for request in requests], params,
                                    use_tqdm=False)
             runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
