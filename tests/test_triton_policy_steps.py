@@ -9,7 +9,7 @@ score tables, choices and attention outputs must agree.
 No vLLM and no conftest: on a GPU machine `pytest -m triton --noconftest tests/` runs this, and
 there it is the check that every tensor the wrapper hands a kernel is on the cache's device.
 vLLM's own cache write, which the impl calls through its parent, is stood in for by the same
-kernel set's write."""
+kernel set's write (`bench.gpu_steps.StepImpl`, which times these steps on a GPU)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ from vllm_kvprune.kernels import reference
 from vllm_kvprune.kernels.layout import gpu_layout
 from vllm_kvprune.worker import runtime
 from vllm_kvprune.worker.kernel_sets import KernelSet, TritonKernels
-from vllm_kvprune.worker.policy_attention import PolicyAttentionImpl, _layer_block_tables
+from vllm_kvprune.bench.gpu_steps import StepImpl  # vLLM's cache write stood in for by the set's own
+from vllm_kvprune.worker.policy_attention import _layer_block_tables
 from vllm_kvprune.worker.state import StepRows, WorkerKVState
 
 pytestmark = pytest.mark.triton
@@ -67,25 +68,6 @@ class ReferenceKernels(KernelSet):
                                  key_counts.cpu().long(), scale, mass, output, softcap)
 
 
-class VllmCacheWrite:
-    """Stands in for the vLLM impl the mixin goes before: its cache write (vLLM's op writes the
-    slot mapping's slots, skipping -1) through the set's own write."""
-
-    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        self.kernels.write_slots(layer, key[: len(slot_mapping)], value[: len(slot_mapping)], kv_cache, slot_mapping)
-
-
-class StepImpl(PolicyAttentionImpl, VllmCacheWrite):
-    def __init__(self, kernels: KernelSet) -> None:
-        self.kernels = kernels
-        self.num_heads, self.num_kv_heads, self.head_size = HEADS * GROUP, HEADS, HEAD_DIM
-        self.scale, self.logits_soft_cap = HEAD_DIM ** -0.5, 0
-        self.step_plan = None
-
-    def _plan(self, layer):
-        return self.step_plan  # in vLLM: the step's metadata in the forward context
-
-
 def token_inputs(layer: int, request: int, positions: range) -> tuple[torch.Tensor, ...]:
     """q [n, Hq, D], k, v [n, H, D] of a request's tokens in a layer: the same in every run."""
     out = []
@@ -104,7 +86,8 @@ def run_steps(policy: dict, kernels: KernelSet, device: str) -> dict:
     state.bind_cache(LAYERS, NUM_BLOCKS, BLOCK_SIZE, HEADS, HEADS, device=device)
     runtime.install(state)
     caches = [torch.zeros(NUM_BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD_DIM, device=device) for _ in LAYERS]
-    impl, layers = StepImpl(kernels), [SimpleNamespace(layer_name=name) for name in LAYERS]
+    impl = StepImpl(kernels, HEADS * GROUP, HEADS, HEAD_DIM)
+    layers = [SimpleNamespace(layer_name=name) for name in LAYERS]
     block_table = torch.from_numpy(BLOCK_ROWS).to(device)
     outputs = []
     schedule = [([0], [PROMPTS[0]], [0]), ([0], [PROMPTS[1]], [1])]

@@ -10,7 +10,6 @@ All of it stays a no-op unless a policy other than `none` is configured.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -259,7 +258,7 @@ def _adjust_vllm_config(vllm_config, policy: KVPolicyConfig) -> None:
 
     if current_platform.is_cpu():
         worker_cls, stock_worker = WORKER_CLS, "vllm.v1.worker.cpu_worker.CPUWorker"
-        if os.environ.get("VLLM_KVPRUNE_TRITON_ON_CPU") == "1":  # tests: the GPU wrapper, interpreted
+        if vllm_hooks.triton_wrapper_on_cpu():  # tests: the GPU wrapper, interpreted
             _check_gpu_policy(policy)
     elif current_platform.is_cuda_alike():
         worker_cls, stock_worker = GPU_WORKER_CLS, "vllm.v1.worker.gpu_worker.Worker"

@@ -169,20 +169,25 @@ def install_backend(cpu_class_path: str, gpu_class_path: str) -> None:
     """Our wrappers in place of vLLM's backends: CPU_ATTN on a CPU, TRITON_ATTN on CUDA/ROCm.
     With `VLLM_KVPRUNE_TRITON_ON_CPU=1` (tests only) a CPU engine runs the GPU wrapper
     instead, vLLM's Triton kernels and ours in Triton's interpreter (`TRITON_INTERPRET=1`)."""
-    import os
-
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     if current_platform.is_cpu():
         # CpuPlatform ignores --attention-backend; overriding the CPU_ATTN member is the way in.
-        if os.environ.get("VLLM_KVPRUNE_TRITON_ON_CPU") == "1":
+        if triton_wrapper_on_cpu():
             _interpret_vllm_triton_on_cpu()
             register_backend(AttentionBackendEnum.CPU_ATTN, gpu_class_path)
         else:
             register_backend(AttentionBackendEnum.CPU_ATTN, cpu_class_path)
     elif current_platform.is_cuda_alike():
         register_backend(AttentionBackendEnum.TRITON_ATTN, gpu_class_path)
+
+
+def triton_wrapper_on_cpu() -> bool:
+    """Tests only (`VLLM_KVPRUNE_TRITON_ON_CPU=1`): a CPU engine runs the GPU wrapper."""
+    import os
+
+    return os.environ.get("VLLM_KVPRUNE_TRITON_ON_CPU") == "1"
 
 
 def _interpret_vllm_triton_on_cpu() -> None:

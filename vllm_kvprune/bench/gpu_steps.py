@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from vllm_kvprune.bench.gpu_kernels import _device, gpu_slug, machine
+from vllm_kvprune.worker.policy_attention import PolicyAttentionImpl
 
 NAME = "gpu-steps"
 POLICIES = ("none", "streaming", "h2o", "paged_eviction")
@@ -78,20 +79,17 @@ class CacheWrite:
         self.kernels.write_slots(layer, key[: len(slot_mapping)], value[: len(slot_mapping)], kv_cache, slot_mapping)
 
 
-def step_impl(kernels, num_heads: int, num_kv_heads: int, head_size: int):
-    """The shared impl's work with `kernels`, outside vLLM: the step's plan is set on it
-    (in vLLM it comes with the step's metadata)."""
-    from vllm_kvprune.worker.policy_attention import PolicyAttentionImpl
+class StepImpl(PolicyAttentionImpl, CacheWrite):
+    """The shared impl's work with `kernels`, outside vLLM (`policy_attention` imports none):
+    the step's plan is set on it (in vLLM it comes with the step's metadata)."""
 
-    class StepImpl(PolicyAttentionImpl, CacheWrite):
-        def _plan(self, layer):
-            return self.step_plan
+    def __init__(self, kernels, num_heads: int, num_kv_heads: int, head_size: int) -> None:
+        self.kernels, self.step_plan = kernels, None
+        self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
+        self.scale, self.logits_soft_cap = head_size ** -0.5, 0
 
-    impl = StepImpl()
-    impl.kernels, impl.step_plan = kernels, None
-    impl.num_heads, impl.num_kv_heads, impl.head_size = num_heads, num_kv_heads, head_size
-    impl.scale, impl.logits_soft_cap = head_size ** -0.5, 0
-    return impl
+    def _plan(self, layer):
+        return self.step_plan
 
 
 class PolicySteps:
@@ -113,7 +111,7 @@ class PolicySteps:
         self.caches = [torch.zeros(num_blocks, shapes.kv_heads, shapes.block_size, 2 * shapes.head_dim, dtype=dtype,
                                    device=device) for _ in self.layer_names]
         self.layers = [SimpleNamespace(layer_name=name) for name in self.layer_names]
-        self.impl = step_impl(kernels, shapes.kv_heads * shapes.group, shapes.kv_heads, shapes.head_dim)
+        self.impl = StepImpl(kernels, shapes.kv_heads * shapes.group, shapes.kv_heads, shapes.head_dim)
         self.state = None
         if policy is not None:
             self.state = WorkerKVState(KVPolicyConfig.from_dict(policy))

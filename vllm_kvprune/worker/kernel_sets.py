@@ -19,13 +19,12 @@ from __future__ import annotations
 import torch
 
 from vllm_kvprune import kernels
+from vllm_kvprune.kernels import _unit_last_stride
 
 
 class KernelSet:
     """What the impl needs besides vLLM's own kernels. Slots are global slot indices
     (`block * block_size + offset`), `[n]` or per KV head `[n, H]`; -1 is skipped."""
-
-    name: str = "base"
 
     def write_slots(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                     slots: torch.Tensor) -> None:
@@ -57,8 +56,6 @@ class KernelSet:
 class CPUKernels(KernelSet):
     """The C++ ops over the layout of vLLM's CPU kernel for the layer's ISA."""
 
-    name = "cpu"
-
     @staticmethod
     def layout(layer, kv_cache: torch.Tensor):
         _, _, block_size, packed = kv_cache.shape
@@ -80,10 +77,8 @@ class CPUKernels(KernelSet):
 
 
 class TritonKernels(KernelSet):
-    """The Triton kernels over vLLM's GPU cache layout; host index tensors go to the cache's
-    device asynchronously (pinned where the plan pinned them)."""
-
-    name = "triton"
+    """The Triton kernels over vLLM's GPU cache layout; index tensors still on the host go to
+    the cache's device here (`StepPlan.to_device` has moved the per-layer ones once a step)."""
 
     @staticmethod
     def _on(kv_cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -123,8 +118,3 @@ class TritonKernels(KernelSet):
         attention_mass.attention_mass(query, kv_cache, block_table.to(kv_cache.device, torch.int32),
                                       self._on(kv_cache, query_rows), self._on(kv_cache, key_counts), scale, mass,
                                       output, softcap)
-
-
-def _unit_last_stride(tokens: torch.Tensor) -> torch.Tensor:
-    """vLLM hands K/V as views of the fused QKV output: rows may be strided, dims must not."""
-    return tokens if tokens.stride(-1) == 1 else tokens.contiguous()

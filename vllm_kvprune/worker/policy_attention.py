@@ -119,7 +119,8 @@ class PolicyAttentionImpl:
     def fused_rope_kvcache_supported(self) -> bool:
         # The policies write K/V themselves (per head, scored, into planned slots): vLLM's
         # RoPE + cache-write fusion would bypass `do_kv_cache_update`.
-        if runtime.worker_state() is not None and runtime.worker_state().engine_config.active:
+        worker_state = runtime.worker_state()
+        if worker_state is not None and worker_state.engine_config.active:
             return False
         return super().fused_rope_kvcache_supported()
 
