@@ -45,11 +45,16 @@ def check_invariants(llm) -> None:
         pages = state.pages
         if request_id not in runner.requests or pages is None or not pages.is_paged:
             continue
+        block_row = pages.live_row(np.array(runner.requests[request_id].block_ids[0]))
         if request_id in scheduler.requests:
             held = scheduler.held_blocks(request_id)
             assert pages.blocks_needed(0) <= held <= pages.blocks_needed(1), (request_id, held)
+            # The blocks the worker's map numbers are the ones the scheduler holds for it, in
+            # order: after a vote gives blocks back, later ones are not read from stale ids.
+            [manager] = scheduler.kvprune_managers
+            real = [block.block_id for block in manager.req_to_blocks[request_id] if not block.is_null]
+            assert block_row[: len(real)].tolist() == real, (request_id, block_row[: len(real) + 1], real)
         pages.check()
-        block_row = np.array(runner.requests[request_id].block_ids[0])
         for layer in range(pages.num_layers):
             count = -(-pages.lengths[layer] // pages.block_size)
             table = pages.page_table(layer, int(count.max()))
@@ -123,6 +128,26 @@ class TestSharedEngine:
         gvote_llm.generate([{"prompt_token_ids": [1, 2, 3]}], greedy(2), use_tqdm=False)
         assert not runner_of(gvote_llm).kv_state.requests or all(
             rid in runner_of(gvote_llm).requests for rid in runner_of(gvote_llm).kv_state.requests)
+
+    def test_blocks_given_back_by_the_vote_stay_aligned(self, gvote_llm):
+        """A vote that keeps few tokens gives blocks back; decoding then needs new ones. The
+        worker's append-only row keeps the given-back ids, so its map must skip them: every
+        step, the blocks it numbers are exactly the scheduler's (`check_invariants`)."""
+        runner = runner_of(gvote_llm)
+        grown_past_holes = []
+
+        def watch() -> None:
+            check_invariants(gvote_llm)
+            for state in runner.kv_state.requests.values():
+                holes = state.pages.row_holes if state.pages is not None else None
+                if holes is not None and holes[0] < holes[1]:
+                    grown_past_holes.append(state.pages.blocks_needed(0) > holes[0])
+
+        finished = run_steps(gvote_llm, prompts((180, 260, 330, 390), seed=8),
+                             [greedy(120, kv_gvote_p=0.1, kv_gvote_samples=4)] * 4, on_step=watch)
+        assert len(finished) == 4
+        assert grown_past_holes and any(grown_past_holes), "no vote gave blocks back, or none grew past them"
+        assert all_blocks_free(gvote_llm)
 
     def test_metrics_split_every_cached_token_into_kept_and_evicted(self, gvote_llm):
         """`LLM.get_metrics()`: per request, kept (mean over heads) + evicted = tokens cached,

@@ -131,3 +131,17 @@ def test_blocks_spanned_follow_the_pages_in_use():
     keep[1, 0, :1] = keep[1, 1, :1] = keep[1, 2, :1] = True  # layer 1: 3 pages: 1 block
     pages, _ = voted_map(9, keep)
     assert pages.used.tolist() == [6, 3] and pages.blocks_spanned(BS) == 2
+
+
+def test_the_live_row_skips_the_positions_a_vote_gave_back():
+    """The worker's row is append-only: after a vote leaves 2 of 5 blocks, blocks allocated
+    later come after the 3 given back, and local block 2 is the first of them."""
+    pages = HeadPageMap(num_layers=1, num_heads=2, block_size=4)
+    pages.row_seen = 5
+    assert pages.live_row(np.array([7, 8, 9, 10, 11, 0])).tolist() == [7, 8, 9, 10, 11, 0]  # not settled yet
+    assert pages.settle_holes(2) == (2, 5)
+    assert pages.live_row(np.array([7, 8, 9, 10, 11, 20, 21, 0])).tolist() == [7, 8, 20, 21, 0]
+    wide = HeadPageMap(num_layers=1, num_heads=2, block_size=4)
+    wide.row_seen = 2
+    assert wide.settle_holes(3) == (2, 2)  # a footprint beyond the row gives nothing back
+    assert wide.live_row(np.array([7, 8, 20])).tolist() == [7, 8, 20]

@@ -230,6 +230,12 @@ def graphed_cache_write(vllm_config) -> str | None:
     return None
 
 
+def async_scheduling(vllm_config) -> bool:
+    """Whether vLLM schedules a step while the previous one runs (resolved by vLLM before
+    the workers start; always off on its CPU platform)."""
+    return bool(vllm_config.scheduler_config.async_scheduling)
+
+
 def attention_backend_choice(vllm_config) -> Any:
     """The attention backend the user asked for (None: vLLM chooses)."""
     return vllm_config.attention_config.backend

@@ -25,8 +25,13 @@ class KVPruneManager(FullAttentionManager):
       first `cap` blocks by the end of that prefill step);
     - no block is ever prefix-cached: pruned contents must never be served as a hit.
     A policy that reports its footprint (`gvote`) has no fixed cap: past its prompt a request
-    holds exactly the blocks the worker last said its kept tokens and next token need
-    (`set_footprint`, from the step output); what a vote gives back is freed at once.
+    holds the blocks the worker last said its kept tokens and next tokens need
+    (`set_footprint`, from the step output); what a vote gives back is freed at once. The
+    worker's block-table row is append-only (VLLM_NOTES 5), so the blocks a vote gives back
+    are the row positions the worker names (`holes`): they become vLLM's null block, in place,
+    and a block allocated later goes after them, where the worker's row will have it. A block
+    is never taken from the tail of the list, where the worker might not have seen it yet
+    (async scheduling allocates for the next step before this step's report arrives).
     """
 
     def __init__(self, *args, **kwargs) -> None:
@@ -37,6 +42,8 @@ class KVPruneManager(FullAttentionManager):
         self._past_prompt: set[str] = set()
         # Footprint policies: blocks each request needs for its next step, from the worker.
         self._footprints: dict[str, int] = {}
+        # Footprint policies: null positions the vote's give-back left in each request's list.
+        self._holes: dict[str, int] = {}
         # Told of every block `_trim` gives back (the scheduler's metrics), if bound.
         self._on_returned: Callable[[str, int], None] | None = None
 
@@ -57,7 +64,8 @@ class KVPruneManager(FullAttentionManager):
             return None
         if policy.reports_footprint:
             # The whole prompt while it is prefilled, then what the worker reports.
-            return self._footprints.get(request_id) if request_id in self._past_prompt else None
+            footprint = self._footprints.get(request_id) if request_id in self._past_prompt else None
+            return None if footprint is None else footprint + self._holes.get(request_id, 0)
         cap = policy.cap_blocks(self.block_size)
         if request_id in self._past_prompt:
             return cap
@@ -70,7 +78,13 @@ class KVPruneManager(FullAttentionManager):
 
     def _clamped(self, request_id: str, num_tokens: int) -> int:
         limit = self.block_limit(request_id)
-        return num_tokens if limit is None else min(num_tokens, limit * self.block_size)
+        if limit is None:
+            return num_tokens
+        if request_id in self._footprints:
+            # The worker's count governs, not the sequence's length: its kept tokens may take
+            # fewer blocks than the sequence, and the list's null positions count too.
+            return limit * self.block_size
+        return min(num_tokens, limit * self.block_size)
 
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, *args, **kwargs) -> int:
         return super().get_num_blocks_to_allocate(
@@ -90,14 +104,31 @@ class KVPruneManager(FullAttentionManager):
         self._past_prompt.add(request_id)
         self._trim(request_id)
 
-    def set_footprint(self, request_id: str, num_blocks: int) -> None:
-        """The worker's count of blocks the request needs for its next step (it reports only
-        requests past their prompt); the surplus is freed at once."""
+    def set_footprint(self, request_id: str, num_blocks: int, holes: tuple[int, int] | None = None) -> None:
+        """The worker's count of blocks the request needs for its next steps (it reports only
+        requests past their prompt) and, once, after the vote, the positions `[start, stop)`
+        of its list that the vote gave back: freed at once, left as null blocks."""
         self._footprints[request_id] = num_blocks
         self._past_prompt.add(request_id)
-        self._trim(request_id)
+        if holes is not None:
+            self._give_back(request_id, *holes)
+
+    def _give_back(self, request_id: str, start: int, stop: int) -> None:
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks or start >= stop:
+            return
+        null_block = self.block_pool.null_block
+        span = blocks[start:stop]
+        freed = [block for block in span if not block.is_null]
+        blocks[start:start + len(span)] = [null_block] * len(span)
+        self._holes[request_id] = self._holes.get(request_id, 0) + len(span)
+        self.block_pool.free_blocks(reversed(freed))
+        if self._on_returned is not None and freed:
+            self._on_returned(request_id, len(freed))
 
     def _trim(self, request_id: str) -> None:
+        if (policy := self._policy_of(request_id)) is not None and policy.reports_footprint:
+            return  # only the worker's named positions are given back (`_give_back`)
         limit = self.block_limit(request_id)
         blocks = self.req_to_blocks.get(request_id)
         if limit is None or not blocks or len(blocks) <= limit:
@@ -113,6 +144,7 @@ class KVPruneManager(FullAttentionManager):
         # re-prefills, so it is "in its prompt" again.
         self._past_prompt.discard(request_id)
         self._footprints.pop(request_id, None)
+        self._holes.pop(request_id, None)
         return super().pop_blocks_for_free(request_id)
 
     def cache_blocks(self, *args, **kwargs) -> None:

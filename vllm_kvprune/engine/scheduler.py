@@ -138,10 +138,11 @@ class KVPruneSchedulerMixin:
     def update_from_output(self, scheduler_output, model_runner_output):
         # Head-page policies: what each voted request needs for its next token, as the worker
         # counted it; a vote's surplus goes back to the pool now.
+        holes = vllm_hooks.step_report_of(model_runner_output).get("holes") or {}
         for request_id, num_blocks in vllm_hooks.footprints_of(model_runner_output).items():
             if request_id in self.requests:
                 for manager in self.kvprune_managers:
-                    manager.set_footprint(request_id, num_blocks)
+                    manager.set_footprint(request_id, num_blocks, holes.get(request_id))
         # The tokens each request that asked for a `kv_report` keeps, as last reported, for that
         # report when it ends.
         for request_id, kept in (vllm_hooks.step_report_of(model_runner_output).get("kept") or {}).items():

@@ -14,6 +14,11 @@ head, into the layer's first head-pages, so layer l uses `sum_h ceil(len_lh / bs
 them and the request needs `ceil(max_l of that / H)` blocks: memory follows the mean over
 heads, not the longest head. Decode appends one token to every head; a head whose last
 page is full takes the layer's next unused head-page.
+
+Local block i is not always position i of the request's block-table row: the worker's row
+is append-only (VLLM_NOTES 5), so the blocks the vote gives back stay in it as stale ids,
+`row_holes = (start, stop)`, and blocks allocated later come after them. `live_row` is the
+row without them; the scheduler nulls the same positions (`engine/manager.py`).
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ class HeadPageMap:
         self.used: np.ndarray | None = None  # [L] head-pages in use per layer
         self.positions: np.ndarray | None = None  # [L, H, capacity] position of each held token
         self._voted: np.ndarray | None = None  # [L] layers whose vote has been applied
+        self.row_seen = 0  # blocks in the request's row when its prompt's last step was planned
+        self.row_holes: tuple[int, int] | None = None  # row positions given back after the vote
 
     @property
     def is_paged(self) -> bool:
@@ -58,6 +65,21 @@ class HeadPageMap:
         if self.lengths is None:
             return -(-self.num_uniform // block_size)
         return -(-int(self.used.max()) // self.num_heads)
+
+    # ---- the block-table row -------------------------------------------------------------
+    def live_row(self, block_row: np.ndarray) -> np.ndarray:
+        """The request's row without the positions the vote gave back (local block i ->
+        pool block)."""
+        if self.row_holes is None or self.row_holes[0] == self.row_holes[1]:
+            return block_row
+        start, stop = self.row_holes
+        return np.concatenate([block_row[:start], block_row[stop:]])
+
+    def settle_holes(self, footprint: int) -> tuple[int, int]:
+        """Once, with the first footprint the scheduler reads after the vote: the positions
+        of the row as the worker saw it at the vote that the footprint leaves out."""
+        self.row_holes = (min(footprint, self.row_seen), self.row_seen)
+        return self.row_holes
 
     # ---- while uniform ----------------------------------------------------------------
     def append_uniform(self, num_new: int) -> np.ndarray:

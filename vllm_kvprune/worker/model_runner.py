@@ -29,6 +29,7 @@ class KVPruneRunnerMixin:
     def __init__(self, vllm_config, device) -> None:
         super().__init__(vllm_config, device)
         self.kv_state = WorkerKVState(policy_from_vllm_config(vllm_config))
+        self.kv_state.footprint_lookahead = int(bool(vllm_hooks.async_scheduling(vllm_config)))
         runtime.install(self.kv_state)
         # The KV-cache group whose layers the policy prunes (its block table is the one planned).
         self.policy_group: int | None = None
@@ -172,7 +173,8 @@ class KVPruneRunnerMixin:
     def sample_tokens(self, *args, **kwargs):
         output = super().sample_tokens(*args, **kwargs)
         if self.kv_state.engine_config.active and hasattr(output, "req_ids"):
-            report = tensor_parallel.merged_report(self.kv_state.step_report(metrics.enabled()))
+            report = self.kv_state.settle_holes(
+                tensor_parallel.merged_report(self.kv_state.step_report(metrics.enabled())))
             output = vllm_hooks.attach_step_report(output, report)
         return output
 

@@ -350,6 +350,7 @@ class HeadPagePlanner(RowPlanner):
         tokens = pages.append_uniform(row.num_new)
         self.hidden_rows.append(HiddenRows(row.state, row.first_token, row.first_token + row.num_new))
         if row.ends_prompt:
+            pages.row_seen = int(np.count_nonzero(row.block_row))  # a row is real ids, then 0-padding
             self.votes.append(Vote(row.state, row.first_token + row.num_new - 1, row.block_row, row.num_prompt))
         self.rows.append((row, tokens))
         self.seq_lens.append(pages.num_uniform)

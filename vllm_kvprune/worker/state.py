@@ -206,6 +206,9 @@ class WorkerKVState:
         self.ended_choices: dict[str, tuple[str, list]] = {}
         # FDC's rotations and packed widths (`fdc` policy), loaded with the model.
         self.fdc = None
+        # Tokens a footprint must cover beyond the next one: 1 under async scheduling, where the
+        # scheduler reads a step's report after it has scheduled the step that follows.
+        self.footprint_lookahead = 0
         # Layer name -> rotate(keys, shifts) with that layer's own RoPE (`positions: cache`).
         self.sink_rotations: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {}
 
@@ -280,10 +283,22 @@ class WorkerKVState:
         return report
 
     def footprints(self) -> dict[str, int]:
-        """Blocks each voted request needs for its next step (head-page policies), for the
-        scheduler: what it frees and what it allocates before that step."""
-        return {request_id: state.pages.blocks_needed(1) for request_id, state in self.requests.items()
+        """Blocks each voted request needs for its next steps (head-page policies), for the
+        scheduler: what it allocates before them. The scheduler reads this step's report before
+        it schedules the next step, or under async scheduling the step after (one more token)."""
+        extra_tokens = 1 + self.footprint_lookahead
+        return {request_id: state.pages.blocks_needed(extra_tokens) for request_id, state in self.requests.items()
                 if state.pages is not None and state.pages.is_paged and state.failure is None}
+
+    def settle_holes(self, report: dict) -> dict:
+        """`report` (merged over tensor-parallel ranks, so every rank settles the same) with,
+        for each request's first footprint after its vote, the positions of its block-table
+        row the vote gives back (`HeadPageMap.settle_holes`): the scheduler frees exactly those."""
+        for request_id, footprint in (report.get("footprints") or {}).items():
+            state = self.requests.get(request_id)
+            if state is not None and state.pages is not None and state.pages.row_holes is None:
+                report.setdefault("holes", {})[request_id] = state.pages.settle_holes(footprint)
+        return report
 
     def plan(self, query_start_loc: np.ndarray, block_size: int) -> StepPlan | None:
         """The physical plan of the step whose rows were published by the runner."""
@@ -303,6 +318,7 @@ class WorkerKVState:
                 f"{'no rows' if rows is None else f'{len(rows.req_ids)} requests'} for it")
         started = time.perf_counter()
         builder = _PlanBuilder(block_size, self.scores)
+        live_rows = []  # each row's block-table row as its map numbers blocks
         for row in range(num_reqs):
             request_id = rows.req_ids[row]
             row_args = dict(first_token=int(query_start_loc[row]), num_computed=int(rows.num_computed[row]),
@@ -310,6 +326,9 @@ class WorkerKVState:
                             num_prompt=int(rows.num_prompt[row]), block_row=rows.block_rows[row])
             try:
                 state = self._state_for(request_id, row_args["num_computed"], rows.extra_args[row])
+                if state.pages is not None:
+                    row_args["block_row"] = state.pages.live_row(row_args["block_row"])
+                live_rows.append(row_args["block_row"])
                 if state.failure is None:
                     faults.inject("plan", request_id)
                     builder.add_row(state, **row_args)
@@ -317,11 +336,13 @@ class WorkerKVState:
             except Exception as error:  # noqa: BLE001 - contained: this request fails alone
                 state = self.requests[request_id]  # `_state_for` stores it before anything can fail
                 faults.fail(state, "plan", error)
+            if len(live_rows) == row:
+                live_rows.append(row_args["block_row"])
             builder.add_quarantined(state, **row_args)
         plan = builder.finish()
         self._planned.extend(rows.req_ids)
         if checks.enabled():  # VLLM_KVPRUNE_CHECK=1: checked once the step has run (step_report)
-            self._to_check = ([(request_id, rows.block_rows[row].copy()) for row, request_id in enumerate(rows.req_ids)],
+            self._to_check = ([(request_id, live_rows[row].copy()) for row, request_id in enumerate(rows.req_ids)],
                               block_size)
         self.plan_seconds += time.perf_counter() - started
         self._step_plan = (rows, plan)
