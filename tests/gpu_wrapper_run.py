@@ -5,7 +5,7 @@ this process; greedy tokens and logprobs as JSON, and which attention impl the l
     TRITON_INTERPRET=1 VLLM_KVPRUNE_TRITON_ON_CPU=1 python gpu_wrapper_run.py CASES.json OUT.json
 
 CASES: a list of {"model", "policy", "requests": [{"prompt": token ids, "extra_args": {...}}],
-"max_tokens", "block_size", "kv_blocks"}. OUT: a list of {"results", "impls", "seconds"} or
+"max_tokens", "block_size", "kv_blocks"}. OUT: a list of {"results", "impls", "hnd", "seconds"} or
 {"error"} (the start-up refusal of a case).
 """
 
@@ -40,6 +40,9 @@ def run_case(case: dict) -> dict:
             runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
             layers = vllm_hooks.attention_layers(runner.vllm_config).values()
             impls = sorted({type(layer.impl).__name__ for layer in layers})
+            # Whether each layer's cache has a block's heads outermost (HND: head-pages are a view).
+            caches = [cache for cache in runner.kv_caches if cache.numel()]
+            hnd = all(cache.stride(1) == cache.shape[2] * cache.stride(2) for cache in caches)
     except Exception as exc:  # noqa: BLE001 - reported to the test, which decides
         return {"error": f"{type(exc).__name__}: {exc}"}
     finally:
@@ -50,7 +53,7 @@ def run_case(case: dict) -> dict:
         token_ids = list(completion.token_ids)
         results.append({"token_ids": token_ids,
                         "logprobs": [completion.logprobs[i][t].logprob for i, t in enumerate(token_ids)]})
-    return {"results": results, "impls": impls, "seconds": time.perf_counter() - started}
+    return {"results": results, "impls": impls, "hnd": hnd, "seconds": time.perf_counter() - started}
 
 
 if __name__ == "__main__":

@@ -145,3 +145,27 @@ def test_the_live_row_skips_the_positions_a_vote_gave_back():
     wide.row_seen = 2
     assert wide.settle_holes(3) == (2, 2)  # a footprint beyond the row gives nothing back
     assert wide.live_row(np.array([7, 8, 20])).tolist() == [7, 8, 20]
+
+
+def test_footprints_cover_one_more_token_under_async_scheduling():
+    """The scheduler reads a step's footprint before the next step, or under async scheduling
+    before the one after: one more token in every head. The first footprint after the vote
+    names the row positions it gives back, once."""
+    from vllm_kvprune.config import KVPolicyConfig
+    from vllm_kvprune.policies import get_policy
+    from vllm_kvprune.worker.state import RequestKVState, WorkerKVState
+
+    keep = np.zeros((LAYERS, HEADS, 40), bool)
+    keep[:, :, : BS - 1] = True  # the next token fills every head's page, the one after needs a new one
+    pages, _ = voted_map(40, keep)
+    pages.row_seen = -(-40 // BS)
+    worker = WorkerKVState(KVPolicyConfig(name="gvote"))
+    worker.requests["r"] = RequestKVState(config=worker.engine_config, policy=get_policy("gvote"), request_id="r",
+                                          pages=pages)
+    sync = worker.footprints()["r"]
+    assert sync == pages.blocks_needed(1)
+    worker.footprint_lookahead = 1
+    assert worker.footprints()["r"] == pages.blocks_needed(2) > sync
+    report = worker.settle_holes({"footprints": {"r": sync}})
+    assert report["holes"] == {"r": (sync, pages.row_seen)}
+    assert "holes" not in worker.settle_holes({"footprints": {"r": sync}})  # named once

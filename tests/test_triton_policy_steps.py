@@ -142,3 +142,62 @@ def test_policy_steps_with_the_gpu_kernel_set_match_the_references(name, monkeyp
     assert len(got["outputs"]) == len(expected["outputs"])
     for got_output, expected_output in zip(got["outputs"], expected["outputs"]):
         torch.testing.assert_close(got_output, expected_output.to(got_output.dtype), atol=2e-4, rtol=1e-3)
+
+
+def test_fdc_narrow_steps_on_the_device(tmp_path):
+    """FDC's work in the wrapper (`FdcLayers`): the new tokens reduced and written into the
+    packed narrow cache, a compaction's move, and the reduced-space attention through the
+    kernel set, with the rotations moved beside the cache (`FdcLayers.to`). With
+    `TritonKernels` on `DEVICE` against the torch reference on the CPU: caches bit-equal,
+    outputs close. Heads of unequal ranks, a prefill step and a decode step."""
+    from vllm_kvprune.fdc.calibration import FdcCalibration
+    from vllm_kvprune.kernels.reduced_attention import reduced_attention_reference
+    from vllm_kvprune.worker.fdc_layers import FdcLayers
+
+    class ReferenceAttention(KernelSet):
+        def reduced_attention(self, query, kv_cache, block_table, query_start_loc, seq_lens, heads, scale,
+                              output_width, block_size):
+            return reduced_attention_reference(query.cpu(), kv_cache.cpu(), block_table.cpu(), query_start_loc.cpu(),
+                                               seq_lens.cpu(), heads, scale, output_width, block_size)
+
+    generator = torch.Generator().manual_seed(0)
+    rotations = [torch.linalg.qr(torch.randn(len(LAYERS), HEADS, HEAD_DIM, HEAD_DIM, generator=generator)).Q
+                 for _ in range(2)]
+    singular = torch.linspace(1, 0, HEAD_DIM).expand(len(LAYERS), HEADS, -1).contiguous()
+    ranks = (torch.tensor([[24, 13], [32, 8]], dtype=torch.int32),
+             torch.tensor([[20, 9], [16, 32]], dtype=torch.int32))
+    FdcCalibration(rotations[0], singular, rotations[1], singular.clone(), *ranks, settings={}).save(
+        tmp_path / "fdc.safetensors")
+
+    def run(kernels: KernelSet, device: str) -> tuple[list, list]:
+        fdc = FdcLayers(str(tmp_path / "fdc.safetensors"), None).to(device)
+        caches, outputs = [], []
+        for layer in range(len(LAYERS)):
+            width = fdc.layer_widths[layer]  # the spec's [num_blocks, H, block_size, 2 * head_size] as rows
+            cache = torch.zeros(NUM_BLOCKS, HEADS, BLOCK_SIZE, width // HEADS, device=device)
+            for rows, lengths, computed in (([0, 1], PROMPTS, [0, 0]), ([0, 1], [1, 1], list(PROMPTS))):
+                parts = [token_inputs(layer, r, range(c, c + n)) for r, c, n in zip(rows, computed, lengths)]
+                query, key, value = (torch.cat(part).to(device) for part in zip(*parts))
+                positions = [np.arange(c, c + n) for c, n in zip(computed, lengths)]
+                slots = np.concatenate([BLOCK_ROWS[r][p // BLOCK_SIZE].astype(np.int64) * BLOCK_SIZE + p % BLOCK_SIZE
+                                        for r, p in zip(rows, positions)])
+                fdc.write(layer, key, value, cache, torch.from_numpy(slots).to(device), BLOCK_SIZE)
+                seq_lens = torch.tensor([c + n for c, n in zip(computed, lengths)], dtype=torch.int32, device=device)
+                starts = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device=device)
+                outputs.append(fdc.attend(layer, query, cache, torch.from_numpy(BLOCK_ROWS[rows]).to(device), starts,
+                                          seq_lens, HEAD_DIM ** -0.5, BLOCK_SIZE,
+                                          attention=kernels.reduced_attention).cpu())
+            # A compaction: request 0's tokens 40.. move down over 8.., in one staged copy.
+            sources, destinations = (BLOCK_ROWS[0][p // BLOCK_SIZE].astype(np.int64) * BLOCK_SIZE + p % BLOCK_SIZE
+                                     for p in (np.arange(40, 60), np.arange(8, 28)))
+            fdc.copy(layer, cache, torch.from_numpy(sources).to(device), torch.from_numpy(destinations).to(device),
+                     BLOCK_SIZE)
+            caches.append(cache.cpu())
+        return caches, outputs
+
+    expected_caches, expected_outputs = run(ReferenceAttention(), "cpu")
+    caches, outputs = run(TritonKernels(), DEVICE)
+    for got, expected in zip(caches, expected_caches):
+        assert torch.equal(got, expected)
+    for got, expected in zip(outputs, expected_outputs):
+        torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-3)

@@ -276,7 +276,9 @@ class KVPruneAsyncScheduler(KVPruneSchedulerMixin, AsyncScheduler):
     count that placeholder, so chunks, caps and admission are the same; what arrives one
     step later is the worker's report (kept tokens, failures), which only metrics and fault
     containment read, and a failed request's in-flight step is quarantined by the worker.
-    Head-page footprints (gvote) would arrive a step late too: gvote does not run on a GPU."""
+    Head-page footprints (gvote) arrive a step late too, so there the worker's footprint covers
+    one more token (`WorkerKVState.footprint_lookahead`) and the manager never takes a block
+    from a list's tail, where the worker may not have seen it (`KVPruneManager._give_back`)."""
 
 
 def held_blocks(scheduler, request_id: str, managers=None) -> int:

@@ -52,11 +52,15 @@ class PackedHeads:
     def num_heads(self) -> int:
         return int(self.k_ranks.shape[0])
 
-    def _columns(self, block_size: int) -> tuple[torch.Tensor, ...]:
-        """Per packed column, made once per block size and kept: each key column's head and
-        dim and its offset in a block (``block_size * (k_offset + dim)``); each value column's
-        head, dim, offset (``block_size * v_offset + dim``) and token stride (its head's v_rank)."""
+    def _columns(self, block_size: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
+        """Per packed column, made once per block size and device and kept: each key column's
+        head and dim and its offset in a block (``block_size * (k_offset + dim)``); each value
+        column's head, dim, offset (``block_size * v_offset + dim``) and token stride (its
+        head's v_rank)."""
         cached = self.__dict__.setdefault("_columns_by_block_size", {})
+        device = torch.device(device)
+        if (block_size, device) in cached:
+            return cached[(block_size, device)]
         if block_size not in cached:
             key_heads = torch.repeat_interleave(torch.arange(self.num_heads), self.k_ranks.long())
             key_dims = torch.cat([torch.arange(int(r)) for r in self.k_ranks])
@@ -65,7 +69,8 @@ class PackedHeads:
             cached[block_size] = (key_heads, key_dims, block_size * (self.k_offsets[key_heads] + key_dims),
                                   value_heads, value_dims, block_size * self.v_offsets[value_heads] + value_dims,
                                   self.v_ranks.long()[value_heads])
-        return cached[block_size]
+        cached[(block_size, device)] = tuple(column.to(device) for column in cached[block_size])
+        return cached[(block_size, device)]
 
     def _positions(self, slots: torch.Tensor, block_size: int, block_stride: int):
         """Flat element indices of the given slots' keys ``[n, sum k]`` and values ``[n, sum v]``
@@ -74,7 +79,7 @@ class PackedHeads:
         slots = slots.long()
         base = (slots // block_size) * block_stride
         within = slots % block_size
-        key_heads, _, key_columns, _, _, value_columns, value_strides = self._columns(block_size)
+        key_heads, _, key_columns, _, _, value_columns, value_strides = self._columns(block_size, slots.device)
         keys = base[:, None] + key_columns[None, :] + within[:, None]
         values = base[:, None] + value_columns[None, :] + within[:, None] * value_strides[None, :]
         return keys, values, key_heads
@@ -90,9 +95,9 @@ class PackedHeads:
         """Store reduced keys/values ``[n, H, >= rank]`` of ``n`` tokens at ``slots`` of a cache
         ``[num_blocks, >= block_size * row_width]`` (``block_size`` default: as many as fit)."""
         block_size = self.block_size_of(kv_cache, block_size)
-        keys, values, _ = self._positions(slots, block_size, kv_cache.shape[1])
+        keys, values, _ = self._positions(slots.to(kv_cache.device), block_size, kv_cache.shape[1])
         flat = kv_cache.view(-1)
-        key_heads, key_dims, _, value_heads, value_dims, _, _ = self._columns(block_size)
+        key_heads, key_dims, _, value_heads, value_dims, _, _ = self._columns(block_size, kv_cache.device)
         flat[keys.reshape(-1)] = key[:, key_heads, key_dims].reshape(-1).to(flat.dtype)
         flat[values.reshape(-1)] = value[:, value_heads, value_dims].reshape(-1).to(flat.dtype)
 
@@ -100,7 +105,7 @@ class PackedHeads:
              block_size: int | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Each head's keys ``[n, k_rank]`` and values ``[n, v_rank]`` at ``slots`` (fp32)."""
         block_size = self.block_size_of(kv_cache, block_size)
-        keys, values, _ = self._positions(slots, block_size, kv_cache.shape[1])
+        keys, values, _ = self._positions(slots.to(kv_cache.device), block_size, kv_cache.shape[1])
         flat = kv_cache.view(-1)
         key_rows, value_rows = flat[keys].float(), flat[values].float()
         key_split = torch.split(key_rows, self.k_ranks.tolist(), dim=1)

@@ -32,7 +32,8 @@ class GVotePolicy(Policy):
     def synthetic_hidden(mean: torch.Tensor, std: torch.Tensor, samples: int,
                          generator: torch.Generator) -> torch.Tensor:
         """`samples` hidden states `[S, hidden]` drawn from N(mean, std) per channel (fp32)."""
-        noise = torch.randn((samples, mean.shape[0]), generator=generator, dtype=torch.float32)
+        # Drawn on the host (the generator's stream, the same on every device), then moved.
+        noise = torch.randn((samples, mean.shape[0]), generator=generator, dtype=torch.float32).to(mean.device)
         return mean.float() + std.float() * noise
 
     @staticmethod
@@ -40,7 +41,7 @@ class GVotePolicy(Policy):
         """Top-p set size of each query head `[Hq]`: `query [Hq, D]`, `keys [H, P, D]`."""
         num_kv_heads, num_keys, _ = keys.shape
         if p_nuc >= 1:  # the whole distribution (fp32 cumulative sums reach 1.0 before its tail)
-            return torch.full((query.shape[0],), num_keys, dtype=torch.long)
+            return torch.full((query.shape[0],), num_keys, dtype=torch.long, device=query.device)
         grouped = query.float().view(num_kv_heads, -1, query.shape[-1])
         probs = torch.softmax(torch.einsum("hgd,hpd->hgp", grouped, keys.float()) * scale, dim=-1)
         cumulative = torch.sort(probs, dim=-1, descending=True).values.cumsum(dim=-1)

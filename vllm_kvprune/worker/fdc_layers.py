@@ -68,6 +68,13 @@ class FdcLayers:
         v = v * (dims[: v.shape[-1]] < v_ranks[:, None]).float()[:, None, :]
         return FdcLayer(PackedHeads.from_ranks(k_ranks, v_ranks), qk.contiguous(), v.contiguous())
 
+    def to(self, device: torch.device | str) -> FdcLayers:
+        """The rotations moved beside the cache (a GPU's), once at load; in place."""
+        self.layers = [FdcLayer(layer.heads, layer.qk_rotation.to(device), layer.v_rotation.to(device))
+                       for layer in self.layers]
+        self._query_rotations.clear()
+        return self
+
     def layer_head_size(self, layer: int) -> int:
         """The head size layer `layer`'s spec gets: `2 * H * head_size` values per token."""
         return self.layer_widths[layer] // (2 * self.num_kv_heads)
@@ -103,23 +110,26 @@ class FdcLayers:
         cache = blocks_of(kv_cache)
         keys, values = heads.read(cache, src_slots, block_size)
         width_k, width_v = max(k.shape[1] for k in keys), max(v.shape[1] for v in values)
-        padded_keys = torch.zeros(len(src_slots), heads.num_heads, width_k)
-        padded_values = torch.zeros(len(src_slots), heads.num_heads, width_v)
+        padded_keys = torch.zeros(len(src_slots), heads.num_heads, width_k, device=cache.device)
+        padded_values = torch.zeros(len(src_slots), heads.num_heads, width_v, device=cache.device)
         for h, (key, value) in enumerate(zip(keys, values)):
             padded_keys[:, h, : key.shape[1]] = key
             padded_values[:, h, : value.shape[1]] = value
         heads.write(cache, dst_slots, padded_keys, padded_values, block_size=block_size)
 
     def attend(self, layer: int, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-               query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, block_size: int) -> torch.Tensor:
-        """Attention of queries `[T, Hq, d]` in the reduced space; returns `[T, Hq, d]` fp32."""
+               query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, block_size: int,
+               attention=reduced_attention) -> torch.Tensor:
+        """Attention of queries `[T, Hq, d]` in the reduced space; returns `[T, Hq, d]` fp32.
+        `attention`: the platform's kernel (`KernelSet.reduced_attention`: the C++ op, or
+        Triton's on a GPU), with `kernels.reduced_attention`'s arguments."""
         fdc_layer = self.layers[layer]
         group = query.shape[1] // self.num_kv_heads
         query_rotation, output_rotation = self._per_query_head(layer, group)
         reduced = torch.einsum("tqd,qdk->tqk", query.float(), query_rotation)
         cache = blocks_of(kv_cache)
-        out = reduced_attention(reduced.to(cache.dtype), cache, block_table, query_start_loc, seq_lens,
-                                fdc_layer.heads, scale, fdc_layer.v_rotation.shape[-1], block_size=block_size)
+        out = attention(reduced.to(cache.dtype), cache, block_table, query_start_loc, seq_lens,
+                        fdc_layer.heads, scale, fdc_layer.v_rotation.shape[-1], block_size=block_size)
         return torch.einsum("tqk,qdk->tqd", out, output_rotation)
 
     def _per_query_head(self, layer: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -53,6 +53,13 @@ class KernelSet:
         raise NotImplementedError
 
 
+    def reduced_attention(self, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                          query_start_loc: torch.Tensor, seq_lens: torch.Tensor, heads, scale: float,
+                          output_width: int, block_size: int) -> torch.Tensor:
+        """FDC's attention over its packed narrow cache; `kernels.reduced_attention`'s arguments."""
+        raise NotImplementedError
+
+
 class CPUKernels(KernelSet):
     """The C++ ops over the layout of vLLM's CPU kernel for the layer's ISA."""
 
@@ -74,6 +81,13 @@ class CPUKernels(KernelSet):
                        softcap) -> None:
         kernels.attention_mass(query, kv_cache, self.layout(layer, kv_cache), block_table, query_rows, key_counts,
                                scale, mass, output, softcap=softcap)
+
+    def reduced_attention(self, query, kv_cache, block_table, query_start_loc, seq_lens, heads, scale, output_width,
+                          block_size):
+        from vllm_kvprune.kernels.reduced_attention import reduced_attention
+
+        return reduced_attention(query, kv_cache, block_table, query_start_loc, seq_lens, heads, scale, output_width,
+                                 block_size=block_size)
 
 
 class TritonKernels(KernelSet):
@@ -118,3 +132,14 @@ class TritonKernels(KernelSet):
         attention_mass.attention_mass(query, kv_cache, block_table.to(kv_cache.device, torch.int32),
                                       self._on(kv_cache, query_rows), self._on(kv_cache, key_counts), scale, mass,
                                       output, softcap)
+
+    def reduced_attention(self, query, kv_cache, block_table, query_start_loc, seq_lens, heads, scale, output_width,
+                          block_size):
+        # Dims-major keys (what `PackedHeads.write` stores) and no key splits: the same layout
+        # as on the CPU; keys token-major and `choose_key_splits` are faster on an H100
+        # (docs/GPU.md) but need the writer to follow.
+        from vllm_kvprune.kernels.triton import reduced_attention
+
+        return reduced_attention.reduced_attention(query, kv_cache, block_table.to(kv_cache.device),
+                                                   self._on(kv_cache, query_start_loc), self._on(kv_cache, seq_lens),
+                                                   heads, scale, output_width, block_size=block_size)

@@ -61,7 +61,7 @@ class KVPruneRunnerMixin:
                 f"fdc: the calibration is for {fdc.calibration.num_layers} layers of {fdc.calibration.num_kv_heads} "
                 f"KV heads{split} of size {fdc.head_dim}; the model has {len(layers)} attention layers of "
                 f"{total_kv_heads} KV heads of size {next(iter(layers.values())).impl.head_size}")
-        self.kv_state.fdc = fdc
+        self.kv_state.fdc = fdc.to(self.device)
         logger.info("kvprune: fdc narrows every KV head (rate %s): a token takes %.1f%% of its full cache "
                     "(packed widths, each layer's rounded up to a head size of its own)",
                     fdc.calibration.settings.get("rate"), 100 * fdc.kv_fraction())

@@ -73,6 +73,12 @@ class StepPlan:
         self.head_slot_mapping = moved(self.head_slot_mapping)
         self.head_moves, self.pre_moves, self.post_moves = (moved_pair(self.head_moves), moved_pair(self.pre_moves),
                                                             moved_pair(self.post_moves))
+        self.page_slot_mapping = moved(self.page_slot_mapping)
+        pages = self.page_attention
+        if pages is not None:
+            self.page_attention = dataclasses.replace(
+                pages, query_start_loc=moved(pages.query_start_loc), seq_lens=moved(pages.seq_lens),
+                block_tables=moved(pages.block_tables))
         queries = self.mass_queries
         if queries is not None:
             self.mass_queries = dataclasses.replace(queries, tokens=moved(queries.tokens), rows=moved(queries.rows),
@@ -109,6 +115,7 @@ class PageAttention:
     seq_lens: torch.Tensor  # [layers, H * R] int32
     block_tables: torch.Tensor  # [layers, H * R, width] int32, pool head-page ids
     num_tokens: int
+    max_seq_lens: list[int] = field(default_factory=list)  # per layer, read on the host
     schedules: list = field(default_factory=list)  # per layer, vLLM's scheduler metadata
 
 

@@ -403,6 +403,7 @@ class HeadPagePlanner(RowPlanner):
                 block_tables=torch.from_numpy(block_tables.reshape(num_layers, num_heads * num_rows, width)
                                               .astype(np.int32)),
                 num_tokens=num_tokens,
+                max_seq_lens=seq_lens.reshape(num_layers, -1).max(axis=1).tolist(),
             ),
         )
 

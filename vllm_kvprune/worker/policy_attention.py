@@ -247,7 +247,7 @@ class PolicyAttentionImpl:
         return dataclasses.replace(
             attn_metadata, num_actual_tokens=self.num_kv_heads * pages.num_tokens,
             query_start_loc=pages.query_start_loc, seq_lens=pages.seq_lens[layer_index],
-            block_table=pages.block_tables[layer_index], max_seq_len=int(pages.seq_lens[layer_index].max()))
+            block_table=pages.block_tables[layer_index], max_seq_len=pages.max_seq_lens[layer_index])
 
     def _vote(self, layer, query, kv_cache, plan: StepPlan) -> None:
         """After a prompt's last chunk has attended: this layer's vote, and each head's kept
@@ -305,7 +305,8 @@ class PolicyAttentionImpl:
             num_tokens = attn_metadata.num_actual_tokens
             attended = narrow.attend(vllm_hooks.layer_index(layer.layer_name), query[:num_tokens], kv_cache,
                                      attn_metadata.block_table, attn_metadata.query_start_loc,
-                                     attn_metadata.seq_lens, self.scale, _block_size(kv_cache))
+                                     attn_metadata.seq_lens, self.scale, _block_size(kv_cache),
+                                     attention=self.kernels.reduced_attention)
             output[:num_tokens].view(num_tokens, self.num_heads, self.head_size).copy_(attended)
             self._after_attention(layer, kv_cache, plan)
             return output

@@ -17,23 +17,32 @@ The same planning and the same work around the kernel as the CPU wrapper
 Which policies run here: `plugin.GPU_POLICIES`. Their score tables (h2o's attention mass,
 paged_eviction's token scores) live beside the cache on the device and are written there
 in every layer; the victims are chosen on the host when the step is planned, from only the
-planned requests' slots copied back. gvote (head-page attention through vLLM's kernel, the
-vote) and fdc (its packed layout in the serving path) refuse at start-up on a GPU, naming
-this.
+planned requests' slots copied back. gvote's head-pages need each block's KV heads
+outermost (`[num_blocks * H, 1, block_size, 2D]` must be a view), so with a head-page
+policy the backend asks vLLM for the HND layout (`LBHNC`); vLLM's unified attention reads
+strides, and attends each (request, KV head) as its own sequence through its 2D kernel
+(the 3D one's scratch is sized for the model's rows, not H times as many). fdc (its packed
+layout) asks for the same layout: its packed narrow rows view each block as one row, written
+and read by torch indexing (`PackedHeads`) and attended by our Triton kernel
+(`TritonKernels.reduced_attention`).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 from vllm_kvprune.config import policy_from_vllm_config
 from vllm_kvprune.engine.spec import KVPruneSpec
+from vllm_kvprune import vllm_hooks
 from vllm_kvprune.vllm_hooks import (
     AttentionCGSupport,
     TritonAttentionBackend,
     TritonAttentionImpl,
     TritonAttentionMetadataBuilder,
 )
+from vllm_kvprune.worker import runtime
 from vllm_kvprune.worker.kernel_sets import TritonKernels
 from vllm_kvprune.worker.policy_attention import PlannedMetadataBuilder, PolicyAttentionImpl, PolicyBackend
 from vllm_kvprune.worker.state import StepPlan
@@ -63,11 +72,18 @@ class KVPruneTritonMetadataBuilder(PlannedMetadataBuilder, TritonAttentionMetada
         lengths.copy_(plan.seq_lens, non_blocking=True)
         return lengths
 
+    def _schedule_pages(self, pages) -> None:
+        """vLLM's Triton kernel needs no schedule of its own for the head-page sequences."""
+
 
 class KVPruneTritonImpl(PolicyAttentionImpl, TritonAttentionImpl):
     """Executes the step plan in one layer around vLLM's Triton kernels, with ours."""
 
     kernels = TritonKernels()
+
+    def _page_metadata(self, attn_metadata, pages, layer_index: int):
+        # vLLM's 2D kernel: the 3D (split-keys) one's scratch is sized for the model's rows.
+        return dataclasses.replace(super()._page_metadata(attn_metadata, pages, layer_index), seq_threshold_3D=None)
 
 
 class KVPruneTritonBackend(PolicyBackend, TritonAttentionBackend):
@@ -75,6 +91,17 @@ class KVPruneTritonBackend(PolicyBackend, TritonAttentionBackend):
 
     builder_cls = KVPruneTritonMetadataBuilder
     impl_cls = KVPruneTritonImpl
+
+    @classmethod
+    def supported_kv_cache_layouts(cls):
+        """HND (`LBHNC`) under a head-page policy, whose view needs a block's heads outermost,
+        and under FDC, whose packed rows view each block as one row (`fdc_layers.blocks_of`);
+        otherwise vLLM's choice. Asked in the worker once the model is loaded."""
+        worker_state = runtime.worker_state()
+        if worker_state is not None and worker_state.engine_config.active and (
+                worker_state.engine_config.narrow_heads or worker_state.policy.granularity == "headpage"):
+            return (vllm_hooks.KVCacheLayout.LBHNC,)
+        return super().supported_kv_cache_layouts()
 
 
 __all__ = ["KVPruneTritonBackend", "KVPruneTritonImpl", "KVPruneTritonMetadataBuilder"]

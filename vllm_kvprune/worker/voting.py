@@ -61,7 +61,7 @@ class LayerVoter:
         hidden = policy.synthetic_hidden(mean, std, config.gvote_samples, generator)
         synthetic = self.rotate_future(self.project(hidden), keys.shape[1], config.gvote_future)
         budgets = policy.step_budgets(last_query, keys, self.scale, config.gvote_p)
-        return policy.keep_mask(synthetic, keys, budgets, self.scale).numpy()
+        return policy.keep_mask(synthetic, keys, budgets, self.scale).cpu().numpy()
 
 
 def gather_hidden(paged_layers, layer_index: int, layer_name: str, hidden: torch.Tensor) -> None:
@@ -78,8 +78,9 @@ def gather_hidden(paged_layers, layer_index: int, layer_name: str, hidden: torch
         state = rows.state
         if state.hidden_sum is None:
             shape = (paged_layers.num_layers, hidden.shape[-1])
-            state.hidden_sum = torch.zeros(shape, dtype=torch.float64)
-            state.hidden_sumsq = torch.zeros(shape, dtype=torch.float64)
+            # Sums beside the hidden states (a GPU's), the count on the host (read by the vote).
+            state.hidden_sum = torch.zeros(shape, dtype=torch.float64, device=hidden.device)
+            state.hidden_sumsq = torch.zeros(shape, dtype=torch.float64, device=hidden.device)
             state.hidden_count = torch.zeros(paged_layers.num_layers, dtype=torch.int64)
         part_sum, part_sumsq = _sums(hidden[rows.start: rows.stop])
         state.hidden_sum[layer_index] += part_sum
