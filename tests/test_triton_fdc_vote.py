@@ -290,3 +290,27 @@ def test_keep_mask_rejects_bad_inputs() -> None:
         triton_vote.keep_mask(synthetic[:, :3], keys, budgets[:3], 1.0)
     with pytest.raises(ValueError, match="dims"):
         triton_vote.keep_mask(synthetic[..., :4], keys, budgets, 1.0)
+
+
+@pytest.mark.parametrize("p_nuc", [0.5, 1.0])
+def test_the_policy_votes_on_the_device_as_on_the_host(p_nuc: float) -> None:
+    """The vote's torch steps where the serving path runs them (`LayerVoter.vote`: statistics
+    and queries on the hidden states' device): the synthetic noise comes from the layer's host
+    generator on any device, the budgets (p = 1 included: the whole prompt) and the keep mask
+    are made beside the keys; the same mask as on the host (one ulp in a logit could move a
+    threshold key, so the keys here are spread far apart)."""
+    policy, generator = GVotePolicy(), torch.Generator().manual_seed(3)
+    mean, std = torch.randn(48, generator=generator, dtype=torch.float64), torch.rand(48, generator=generator)
+    query = torch.randn(6, 16, generator=generator)
+    keys = torch.randn(3, 40, 16, generator=generator) * 4
+    masks = []
+    for device in ("cpu", DEVICE):
+        hidden = policy.synthetic_hidden(mean.to(device), std.to(device).double(), 4,
+                                         policy.layer_generator(7, layer=2))
+        synthetic = (hidden.float() @ torch.randn(48, 6 * 16, generator=torch.Generator().manual_seed(5))
+                     .to(device)).view(4, 6, 16)
+        budgets = policy.step_budgets(query.to(device), keys.to(device), 0.25, p_nuc)
+        assert hidden.device.type == budgets.device.type == torch.device(device).type
+        masks.append(policy.keep_mask(synthetic, keys.to(device), budgets, 0.25).cpu())
+    assert torch.equal(masks[0], masks[1]) and masks[0].any()
+    assert bool(masks[0].all()) == (p_nuc >= 1)  # p = 1 keeps every key
