@@ -5,7 +5,8 @@ this process; greedy tokens and logprobs as JSON, and which attention impl the l
     TRITON_INTERPRET=1 VLLM_KVPRUNE_TRITON_ON_CPU=1 python gpu_wrapper_run.py CASES.json OUT.json
 
 CASES: a list of {"model", "policy", "requests": [{"prompt": token ids, "extra_args": {...}}],
-"max_tokens", "block_size", "kv_blocks"}. OUT: a list of {"results", "impls", "hnd", "seconds"} or
+"max_tokens", "block_size", "kv_blocks"}. OUT: a list of {"results", "impls", "hnd",
+"fdc_keys_by_token", "seconds"} or
 {"error"} (the start-up refusal of a case).
 """
 
@@ -43,6 +44,8 @@ def run_case(case: dict) -> dict:
             # Whether each layer's cache has a block's heads outermost (HND: head-pages are a view).
             caches = [cache for cache in runner.kv_caches if cache.numel()]
             hnd = all(cache.stride(1) == cache.shape[2] * cache.stride(2) for cache in caches)
+            fdc = runner.kv_state.fdc
+            keys_by_token = fdc.layers[0].heads.keys_by_token if fdc is not None else None
     except Exception as exc:  # noqa: BLE001 - reported to the test, which decides
         return {"error": f"{type(exc).__name__}: {exc}"}
     finally:
@@ -53,7 +56,8 @@ def run_case(case: dict) -> dict:
         token_ids = list(completion.token_ids)
         results.append({"token_ids": token_ids,
                         "logprobs": [completion.logprobs[i][t].logprob for i, t in enumerate(token_ids)]})
-    return {"results": results, "impls": impls, "hnd": hnd, "seconds": time.perf_counter() - started}
+    return {"results": results, "impls": impls, "hnd": hnd, "fdc_keys_by_token": keys_by_token,
+            "seconds": time.perf_counter() - started}
 
 
 if __name__ == "__main__":

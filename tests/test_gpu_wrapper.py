@@ -122,6 +122,8 @@ def test_policy_on_the_gpu_wrapper_matches_the_reference(wrapper_runs, reference
     assert "error" not in run, run.get("error")
     assert run["impls"] == ["KVPruneTritonImpl"]
     assert run["hnd"] == (name in ("gvote", "fdc", "streaming_fdc")), "head-pages, FDC's rows need HND; others NHD"
+    # FDC's packed keys in the layout our Triton kernel reads fastest (token-major).
+    assert run["fdc_keys_by_token"] == (True if "fdc" in name else None)
     for request, got in zip(case["requests"], run["results"]):
         prompt, override = request["prompt"], request["extra_args"] or {}
         reference = reference_for(reference_model, case["policy"], override, calibrated)

@@ -314,3 +314,23 @@ def test_the_policy_votes_on_the_device_as_on_the_host(p_nuc: float) -> None:
         masks.append(policy.keep_mask(synthetic, keys.to(device), budgets, 0.25).cpu())
     assert torch.equal(masks[0], masks[1]) and masks[0].any()
     assert bool(masks[0].all()) == (p_nuc >= 1)  # p = 1 keeps every key
+
+
+def test_packed_heads_write_keys_token_major() -> None:
+    """`PackedHeads(keys_by_token=True)` writes (and reads) exactly the layout
+    `keys_by_token()` converts a dims-major cache to, which the kernel reads with
+    `keys_by_token=True`; values are laid out alike in both."""
+    block_size, num_blocks, generator = 16, 5, torch.Generator().manual_seed(11)
+    dims_major, token_major = (PackedHeads.from_ranks(K_RANKS, V_RANKS, keys_by_token=flag) for flag in (False, True))
+    slots = torch.randperm(num_blocks * block_size, generator=generator)[:50]
+    keys, values = torch.randn(50, 3, 32, generator=generator), torch.randn(50, 3, 32, generator=generator)
+    caches = []
+    for heads in (dims_major, token_major):
+        cache = torch.zeros(num_blocks, block_size * heads.row_width)
+        heads.write(cache, slots, keys, values, block_size=block_size)
+        read_keys, read_values = heads.read(cache, slots, block_size)
+        for head, (k, v) in enumerate(zip(read_keys, read_values)):
+            assert torch.equal(k, keys[:, head, : K_RANKS[head]]) and torch.equal(v, values[:, head, : V_RANKS[head]])
+        caches.append(cache)
+    assert torch.equal(triton_fdc.keys_by_token(caches[0], dims_major, block_size), caches[1])
+    assert not torch.equal(caches[0], caches[1])

@@ -148,11 +148,13 @@ def test_fdc_narrow_steps_on_the_device(tmp_path):
     """FDC's work in the wrapper (`FdcLayers`): the new tokens reduced and written into the
     packed narrow cache, a compaction's move, and the reduced-space attention through the
     kernel set, with the rotations moved beside the cache (`FdcLayers.to`). With
-    `TritonKernels` on `DEVICE` against the torch reference on the CPU: caches bit-equal,
-    outputs close. Heads of unequal ranks, a prefill step and a decode step."""
+    `TritonKernels` on `DEVICE` (keys token-major, the set's layout) against the torch
+    reference on the CPU (dims-major): every slot holds the same bits, outputs close. Heads of
+    unequal ranks, a prefill step and a decode step."""
     from vllm_kvprune.fdc.calibration import FdcCalibration
     from vllm_kvprune.kernels.reduced_attention import reduced_attention_reference
     from vllm_kvprune.worker.fdc_layers import FdcLayers
+    from vllm_kvprune.worker.fdc_layers import blocks_of as fdc_rows
 
     class ReferenceAttention(KernelSet):
         def reduced_attention(self, query, kv_cache, block_table, query_start_loc, seq_lens, heads, scale,
@@ -170,7 +172,7 @@ def test_fdc_narrow_steps_on_the_device(tmp_path):
         tmp_path / "fdc.safetensors")
 
     def run(kernels: KernelSet, device: str) -> tuple[list, list]:
-        fdc = FdcLayers(str(tmp_path / "fdc.safetensors"), None).to(device)
+        fdc = FdcLayers(str(tmp_path / "fdc.safetensors"), None, keys_by_token=kernels.fdc_keys_by_token).to(device)
         caches, outputs = [], []
         for layer in range(len(LAYERS)):
             width = fdc.layer_widths[layer]  # the spec's [num_blocks, H, block_size, 2 * head_size] as rows
@@ -192,12 +194,19 @@ def test_fdc_narrow_steps_on_the_device(tmp_path):
                                      for p in (np.arange(40, 60), np.arange(8, 28)))
             fdc.copy(layer, cache, torch.from_numpy(sources).to(device), torch.from_numpy(destinations).to(device),
                      BLOCK_SIZE)
-            caches.append(cache.cpu())
+            # What every written slot holds, per head (the two runs' layouts differ: the GPU set's
+            # keys are token-major).
+            written = np.concatenate([BLOCK_ROWS[r][np.arange(n + 1) // BLOCK_SIZE].astype(np.int64) * BLOCK_SIZE
+                                      + np.arange(n + 1) % BLOCK_SIZE for r, n in enumerate(PROMPTS)])
+            keys, values = fdc.layers[layer].heads.read(fdc_rows(cache), torch.from_numpy(written).to(device),
+                                                        BLOCK_SIZE)
+            caches.append([part.cpu() for part in keys + values])
         return caches, outputs
 
     expected_caches, expected_outputs = run(ReferenceAttention(), "cpu")
     caches, outputs = run(TritonKernels(), DEVICE)
-    for got, expected in zip(caches, expected_caches):
-        assert torch.equal(got, expected)
+    for got_layer, expected_layer in zip(caches, expected_caches):
+        for got, expected in zip(got_layer, expected_layer):
+            assert torch.equal(got, expected)  # bit copies of the same reduced values
     for got, expected in zip(outputs, expected_outputs):
         torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-3)

@@ -38,15 +38,19 @@ class PackedHeads:
     k_offsets: torch.Tensor  # [H] int64
     v_offsets: torch.Tensor  # [H] int64
     row_width: int  # sum of all ranks
+    # Keys token-major inside a block, as values are (token t's dims at `block_size * k_offset
+    # + t * k_rank`): the layout our Triton kernel reads fastest (docs/GPU.md); the C++ op
+    # reads the default, dims-major.
+    keys_by_token: bool = False
 
     @classmethod
-    def from_ranks(cls, k_ranks, v_ranks) -> "PackedHeads":
+    def from_ranks(cls, k_ranks, v_ranks, keys_by_token: bool = False) -> "PackedHeads":
         k_ranks = torch.as_tensor(k_ranks, dtype=torch.int32)
         v_ranks = torch.as_tensor(v_ranks, dtype=torch.int32)
         widths = k_ranks.long() + v_ranks.long()
         k_offsets = torch.cumsum(widths, 0) - widths
         v_offsets = k_offsets + k_ranks.long()
-        return cls(k_ranks, v_ranks, k_offsets, v_offsets, int(k_ranks.sum() + v_ranks.sum()))
+        return cls(k_ranks, v_ranks, k_offsets, v_offsets, int(k_ranks.sum() + v_ranks.sum()), keys_by_token)
 
     @property
     def num_heads(self) -> int:
@@ -54,9 +58,10 @@ class PackedHeads:
 
     def _columns(self, block_size: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
         """Per packed column, made once per block size and device and kept: each key column's
-        head and dim and its offset in a block (``block_size * (k_offset + dim)``); each value
-        column's head, dim, offset (``block_size * v_offset + dim``) and token stride (its
-        head's v_rank)."""
+        head and dim, its offset in a block (``block_size * (k_offset + dim)``, or token-major
+        ``block_size * k_offset + dim``) and token stride (1, or token-major its head's
+        k_rank); each value column's head, dim, offset (``block_size * v_offset + dim``) and
+        token stride (its head's v_rank)."""
         cached = self.__dict__.setdefault("_columns_by_block_size", {})
         device = torch.device(device)
         if (block_size, device) in cached:
@@ -66,8 +71,14 @@ class PackedHeads:
             key_dims = torch.cat([torch.arange(int(r)) for r in self.k_ranks])
             value_heads = torch.repeat_interleave(torch.arange(self.num_heads), self.v_ranks.long())
             value_dims = torch.cat([torch.arange(int(r)) for r in self.v_ranks])
-            cached[block_size] = (key_heads, key_dims, block_size * (self.k_offsets[key_heads] + key_dims),
-                                  value_heads, value_dims, block_size * self.v_offsets[value_heads] + value_dims,
+            if self.keys_by_token:
+                key_columns = block_size * self.k_offsets[key_heads] + key_dims
+                key_strides = self.k_ranks.long()[key_heads]
+            else:
+                key_columns = block_size * (self.k_offsets[key_heads] + key_dims)
+                key_strides = torch.ones_like(key_columns)
+            cached[block_size] = (key_heads, key_dims, key_columns, key_strides, value_heads, value_dims,
+                                  block_size * self.v_offsets[value_heads] + value_dims,
                                   self.v_ranks.long()[value_heads])
         cached[(block_size, device)] = tuple(column.to(device) for column in cached[block_size])
         return cached[(block_size, device)]
@@ -79,8 +90,9 @@ class PackedHeads:
         slots = slots.long()
         base = (slots // block_size) * block_stride
         within = slots % block_size
-        key_heads, _, key_columns, _, _, value_columns, value_strides = self._columns(block_size, slots.device)
-        keys = base[:, None] + key_columns[None, :] + within[:, None]
+        key_heads, _, key_columns, key_strides, _, _, value_columns, value_strides = self._columns(block_size,
+                                                                                                  slots.device)
+        keys = base[:, None] + key_columns[None, :] + within[:, None] * key_strides[None, :]
         values = base[:, None] + value_columns[None, :] + within[:, None] * value_strides[None, :]
         return keys, values, key_heads
 
@@ -97,7 +109,7 @@ class PackedHeads:
         block_size = self.block_size_of(kv_cache, block_size)
         keys, values, _ = self._positions(slots.to(kv_cache.device), block_size, kv_cache.shape[1])
         flat = kv_cache.view(-1)
-        key_heads, key_dims, _, value_heads, value_dims, _, _ = self._columns(block_size, kv_cache.device)
+        key_heads, key_dims, _, _, value_heads, value_dims, _, _ = self._columns(block_size, kv_cache.device)
         flat[keys.reshape(-1)] = key[:, key_heads, key_dims].reshape(-1).to(flat.dtype)
         flat[values.reshape(-1)] = value[:, value_heads, value_dims].reshape(-1).to(flat.dtype)
 
@@ -120,7 +132,7 @@ def reduced_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: 
     returns ``[T, Hq, output_width]`` fp32 (see the module docstring)."""
     output = torch.empty(query.shape[0], query.shape[1], output_width, dtype=torch.float32)
     block_size = heads.block_size_of(kv_cache, block_size)
-    if kernels.HAS_EXTENSION:
+    if kernels.HAS_EXTENSION and not heads.keys_by_token:  # the C++ op reads dims-major keys
         torch.ops.kvprune.reduced_attention(query.contiguous(), kv_cache.contiguous(), block_table, query_start_loc,
                                             seq_lens, heads.k_ranks, heads.v_ranks, heads.k_offsets,
                                             heads.v_offsets, block_size, float(scale), output, balanced)

@@ -39,14 +39,18 @@ class FdcLayer:
 class FdcLayers:
     """Every layer's FDC, from a calibration file checked against the served model."""
 
-    def __init__(self, path: str, model_dir: str | None, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, path: str, model_dir: str | None, rank: int = 0, world_size: int = 1,
+                 keys_by_token: bool = False) -> None:
+        """`keys_by_token`: the packed layout the platform's attention kernel reads
+        (`KernelSet.fdc_keys_by_token`)."""
         calibration = fdc.load(path, model_dir)
         self.calibration = calibration
         self.head_dim = calibration.head_dim
         # This rank's global KV heads (all of them without tensor parallelism).
         self.kv_heads = kv_head_range(calibration.num_kv_heads, rank, world_size)
         self.num_kv_heads = len(self.kv_heads)
-        self.layers = [self._layer(calibration, index, self.kv_heads) for index in range(calibration.num_layers)]
+        self.layers = [self._layer(calibration, index, self.kv_heads, keys_by_token)
+                       for index in range(calibration.num_layers)]
         every_rank = {kv_head_range(calibration.num_kv_heads, other, world_size) for other in range(world_size)}
         granule = 2 * self.num_kv_heads
         # Per layer: the widest rank's packed row, rounded up to a head size.
@@ -58,7 +62,7 @@ class FdcLayers:
         self._query_rotations: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @staticmethod
-    def _layer(calibration: fdc.FdcCalibration, index: int, kv_heads: range) -> FdcLayer:
+    def _layer(calibration: fdc.FdcCalibration, index: int, kv_heads: range, keys_by_token: bool) -> FdcLayer:
         heads = list(kv_heads)
         k_ranks, v_ranks = calibration.qk_rank[index][heads], calibration.v_rank[index][heads]
         dims = torch.arange(calibration.head_dim)
@@ -66,7 +70,7 @@ class FdcLayers:
         qk = qk * (dims[: qk.shape[-1]] < k_ranks[:, None]).float()[:, None, :]
         v = calibration.v_rotation[index][heads].float()[:, :, : int(v_ranks.max())]
         v = v * (dims[: v.shape[-1]] < v_ranks[:, None]).float()[:, None, :]
-        return FdcLayer(PackedHeads.from_ranks(k_ranks, v_ranks), qk.contiguous(), v.contiguous())
+        return FdcLayer(PackedHeads.from_ranks(k_ranks, v_ranks, keys_by_token), qk.contiguous(), v.contiguous())
 
     def to(self, device: torch.device | str) -> FdcLayers:
         """The rotations moved beside the cache (a GPU's), once at load; in place."""

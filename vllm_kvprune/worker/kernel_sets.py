@@ -26,6 +26,9 @@ class KernelSet:
     """What the impl needs besides vLLM's own kernels. Slots are global slot indices
     (`block * block_size + offset`), `[n]` or per KV head `[n, H]`; -1 is skipped."""
 
+    # FDC's packed layout this set's `reduced_attention` reads (`PackedHeads.keys_by_token`).
+    fdc_keys_by_token = False
+
     def write_slots(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                     slots: torch.Tensor) -> None:
         """New K/V `[T, H, D]` into `slots`, in place."""
@@ -94,6 +97,10 @@ class TritonKernels(KernelSet):
     """The Triton kernels over vLLM's GPU cache layout; index tensors still on the host go to
     the cache's device here (`StepPlan.to_device` has moved the per-layer ones once a step)."""
 
+    # Keys token-major: FDC's decode at 50% dims 0.162 ms vs 0.219 dims-major (H100, batch 32 x
+    # 4096, bf16; results/gpu/kernels_h100.json).
+    fdc_keys_by_token = True
+
     @staticmethod
     def _on(kv_cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         if index.device != kv_cache.device:
@@ -135,11 +142,11 @@ class TritonKernels(KernelSet):
 
     def reduced_attention(self, query, kv_cache, block_table, query_start_loc, seq_lens, heads, scale, output_width,
                           block_size):
-        # Dims-major keys (what `PackedHeads.write` stores) and no key splits: the same layout
-        # as on the CPU; keys token-major and `choose_key_splits` are faster on an H100
-        # (docs/GPU.md) but need the writer to follow.
+        # The layout the layer's `PackedHeads` writes (token-major keys here). No key splits:
+        # `choose_key_splits`' pick was slower than none at batch 32 on the H100 (docs/GPU.md).
         from vllm_kvprune.kernels.triton import reduced_attention
 
         return reduced_attention.reduced_attention(query, kv_cache, block_table.to(kv_cache.device),
                                                    self._on(kv_cache, query_start_loc), self._on(kv_cache, seq_lens),
-                                                   heads, scale, output_width, block_size=block_size)
+                                                   heads, scale, output_width, block_size=block_size,
+                                                   keys_by_token=heads.keys_by_token)

@@ -49,9 +49,11 @@ class KVPruneRunnerMixin:
 
         model_dir = self.model_config.model
         rank, world_size = vllm_hooks.tp_rank_and_size()
-        fdc = FdcLayers(self.kv_state.engine_config.fdc, model_dir if Path(model_dir).is_dir() else None,
-                        rank, world_size)
         layers = vllm_hooks.attention_layers(self.vllm_config)
+        # The packed layout the platform's attention kernel reads (our impls carry a kernel set).
+        kernel_set = getattr(next(iter(layers.values())).impl, "kernels", None) if layers else None
+        fdc = FdcLayers(self.kv_state.engine_config.fdc, model_dir if Path(model_dir).is_dir() else None,
+                        rank, world_size, keys_by_token=getattr(kernel_set, "fdc_keys_by_token", False))
         total_kv_heads = self.model_config.get_total_num_kv_heads()
         if fdc.calibration.num_layers != len(layers) or fdc.calibration.num_kv_heads != total_kv_heads or any(
                 layer.impl.num_kv_heads != fdc.num_kv_heads or layer.impl.head_size != fdc.head_dim
