@@ -179,6 +179,8 @@ HOOKS: tuple[Hook, ...] = (
     # scheduler frees and allocates by it; attention runs per (request, KV head) sequence.
     Hook("override", f"{_RUNNER}:CPUModelRunner.sample_tokens", "reports footprints, kept tokens, policy time",
          ("self", "grammar_output")),
+    Hook("read", "vllm.v1.outputs:AsyncModelRunnerOutput.get_output",
+         "async scheduling: the step report rides on what it resolves to", ("self",)),
     Hook("read", "vllm.v1.outputs:ModelRunnerOutput", "carries the footprints; a failed request's token is dropped",
          attributes=("req_ids", "req_id_to_index", "sampled_token_ids")),
     Hook("read", "vllm.v1.engine:EngineCoreOutput", "a failed request's output names the policy",

@@ -21,6 +21,8 @@ and are read through this module.
 
 from __future__ import annotations
 
+import functools
+
 import importlib
 from collections.abc import Callable
 from typing import Any
@@ -449,15 +451,45 @@ def attention_schedule(builder: Any, num_reqs: int, num_heads: int, num_kv_heads
 STEP_REPORT_ATTRIBUTE = "kvprune_step_report"
 
 
+def is_step_output(output: Any) -> bool:
+    """Whether the runner's `sample_tokens` returned a step's output: a `ModelRunnerOutput`,
+    or under async scheduling the `AsyncModelRunnerOutput` that yields one later."""
+    from vllm.v1.outputs import AsyncModelRunnerOutput
+
+    return hasattr(output, "req_ids") or isinstance(output, AsyncModelRunnerOutput)
+
+
 def attach_step_report(output: Any, report: dict) -> Any:
     """The step output with the worker's step report attached (`WorkerKVState.step_report`:
     kept tokens, policy time, head-page footprints); a shallow copy: vLLM may hand out a
-    shared empty output. A plain attribute, so it survives pickling to the engine core."""
+    shared empty output. A plain attribute, so it survives pickling to the engine core. Under
+    async scheduling the output is an `AsyncModelRunnerOutput`, resolved later (after the
+    device's copy to the host): the report, made now, is attached to what it resolves to."""
     import copy
 
+    from vllm.v1.outputs import AsyncModelRunnerOutput
+
+    if isinstance(output, AsyncModelRunnerOutput):
+        return _reported_async_output_cls()(output, report)
     output = copy.copy(output)
     setattr(output, STEP_REPORT_ATTRIBUTE, report)
     return output
+
+
+@functools.cache
+def _reported_async_output_cls() -> type:
+    """An `AsyncModelRunnerOutput` (vLLM's executors check for the class) whose output
+    carries the step report; made on first use, so importing this module imports no vLLM."""
+    from vllm.v1.outputs import AsyncModelRunnerOutput
+
+    class ReportedAsyncOutput(AsyncModelRunnerOutput):
+        def __init__(self, pending: Any, report: dict) -> None:
+            self.pending, self.report = pending, report
+
+        def get_output(self) -> Any:
+            return attach_step_report(self.pending.get_output(), self.report)
+
+    return ReportedAsyncOutput
 
 
 def step_report_of(output: Any) -> dict:

@@ -174,7 +174,7 @@ class KVPruneRunnerMixin:
 
     def sample_tokens(self, *args, **kwargs):
         output = super().sample_tokens(*args, **kwargs)
-        if self.kv_state.engine_config.active and hasattr(output, "req_ids"):
+        if self.kv_state.engine_config.active and vllm_hooks.is_step_output(output):
             report = self.kv_state.settle_holes(
                 tensor_parallel.merged_report(self.kv_state.step_report(metrics.enabled())))
             output = vllm_hooks.attach_step_report(output, report)
