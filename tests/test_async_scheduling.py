@@ -12,7 +12,7 @@ shows on a real engine:
 - `gvote`, whose footprints arrive a step late: a footprint covers one more token, the blocks
   a vote gives back are the row positions the worker names, never a block allocated for the
   step in flight; every step the blocks the worker's map numbers are the scheduler's, and the
-  tokens are the reference's.
+  tokens are the reference's; a request whose vote fails finishes with an error alone.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def test_h2o_under_async_scheduling_matches_the_reference(async_on_cpu, tiny_mod
                               .generate(prompt, 48, prompt_logprobs=False) for prompt in prompt_ids])
 
 
-def test_gvote_under_async_scheduling(async_on_cpu, tiny_model, reference_model):
+def test_gvote_under_async_scheduling(async_on_cpu, tiny_model, reference_model, monkeypatch):
     from vllm_kvprune.reference.gvote import GVoteReference
 
     prompt_ids = prompts((180, 260, 330), seed=8)
@@ -108,6 +108,16 @@ def test_gvote_under_async_scheduling(async_on_cpu, tiny_model, reference_model)
     with engine(tiny_model, {"name": "gvote"}, kv_blocks=512) as llm:
         assert runner_of(llm).kv_state.footprint_lookahead == 1
         finished, placeholders = _run_watching_placeholders(llm, prompt_ids, [greedy(120, **settings)] * 3, aligned)
+        assert all_blocks_free(llm)
+        # Fault containment, whose report now arrives a step late: request "1"'s vote fails; it
+        # finishes with an error, the others as above, every block back.
+        monkeypatch.setenv("VLLM_KVPRUNE_FAULT", "score:^1(-|$)")
+        failing = run_steps(llm, prompt_ids, [greedy(120, **settings)] * 3)
+        monkeypatch.delenv("VLLM_KVPRUNE_FAULT")
+        assert failing["1"].outputs[0].finish_reason == "error"
+        assert failing["1"].outputs[0].stop_reason.startswith("kvprune gvote: score failed: InjectedFault")
+        for request_id in ("0", "2"):
+            assert failing[request_id].outputs[0].token_ids == finished[request_id].outputs[0].token_ids
         assert all_blocks_free(llm)
     assert placeholders > 0, "no step was scheduled ahead: async scheduling did not run"
     assert grown_past_holes and any(grown_past_holes), "no vote gave blocks back, or none grew past them"
