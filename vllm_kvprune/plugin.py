@@ -38,7 +38,7 @@ WORKER_CLS = "vllm_kvprune.worker.cpu_worker.KVPruneCPUWorker"
 BACKEND_CLS = "vllm_kvprune.worker.backend.KVPruneCPUBackend"
 GPU_WORKER_CLS = "vllm_kvprune.worker.gpu_worker.KVPruneGPUWorker"
 GPU_BACKEND_CLS = "vllm_kvprune.worker.triton_backend.KVPruneTritonBackend"
-# The policies the GPU wrapper carries out (docs/GPU.md says why the others wait).
+# The policies the GPU wrapper carries out (all of them today; docs/GPU.md).
 GPU_POLICIES = ("streaming", "h2o", "paged_eviction", "gvote", "fdc")
 REQUEST_VALIDATOR = "vllm_kvprune.plugin:RequestValidator"
 CPU_DEFAULT_BLOCK_SIZE = 128

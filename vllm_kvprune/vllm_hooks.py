@@ -22,7 +22,6 @@ and are read through this module.
 from __future__ import annotations
 
 import functools
-
 import importlib
 from collections.abc import Callable
 from typing import Any

@@ -55,7 +55,6 @@ class KernelSet:
         the arguments are `kernels.attention_mass`'s."""
         raise NotImplementedError
 
-
     def reduced_attention(self, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                           query_start_loc: torch.Tensor, seq_lens: torch.Tensor, heads, scale: float,
                           output_width: int, block_size: int) -> torch.Tensor:
