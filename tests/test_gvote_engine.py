@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import engine, runner_of, scheduler_of
+from conftest import BLOCK_SIZE, engine, runner_of, scheduler_of
 from test_streaming_engine import all_blocks_free, greedy, prompts, run_steps, tokens_and_logprobs
 from vllm_kvprune.worker.head_page_map import global_head_pages
 
@@ -221,6 +221,36 @@ def step_seconds_by_phase(llm) -> dict[str, float]:
 
     return {metric.labels["phase"]: metric.sum for metric in llm.get_metrics()
             if metric.name == "vllm:kvprune_step_seconds" and isinstance(metric, Histogram)}
+
+
+def test_a_request_near_max_model_len_after_its_vote_gave_blocks_back(tiny_model, reference_model):
+    """The worker's block-table row is append-only: a vote's given-back positions stay in it,
+    and the blocks the kept tokens take later come after them, so a request that grows toward
+    `max_model_len` reaches past vLLM's row width (`cdiv(max_model_len, block_size)`). The
+    policy's spec widens the row (`KVPruneSpec.max_num_blocks_per_req`); without that the
+    worker's table overflowed and the engine died. The tokens are the reference's."""
+    from vllm_kvprune.reference.gvote import GVoteReference
+
+    prompt = prompts((300,), seed=13)[0]
+    new_tokens = 512 - 300 - 2
+    with engine(tiny_model, {"name": "gvote"}, kv_blocks=64, max_model_len=512) as llm:
+        runner = runner_of(llm)
+        widest = []
+
+        def watch() -> None:
+            for request_id, state in runner.kv_state.requests.items():
+                if request_id in runner.requests and state.pages is not None and state.pages.row_holes is not None:
+                    widest.append((len(runner.requests[request_id].block_ids[0]), state.pages.row_holes))
+
+        finished = run_steps(llm, [prompt], [greedy(new_tokens, kv_gvote_p=0.1, kv_gvote_samples=4)], on_step=watch)
+        assert all_blocks_free(llm)
+    positions, holes = max(widest)
+    assert holes[0] < holes[1] and positions > 512 // BLOCK_SIZE, (positions, holes)  # past vLLM's own width
+    expected = GVoteReference(reference_model, p_nuc=0.1, samples=4).generate(prompt, new_tokens,
+                                                                             prompt_logprobs=False)
+    token_ids, logprobs = tokens_and_logprobs(finished["0"])
+    assert token_ids == expected.token_ids
+    assert np.max(np.abs(np.array(logprobs) - np.array(expected.logprobs))) < 1e-3
 
 
 def test_preemption_and_chunked_prefill(tiny_model, reference_model):

@@ -81,6 +81,8 @@ HOOKS: tuple[Hook, ...] = (
          "FDC: one KV-cache group of layers of different widths", attributes=("kv_cache_specs",)),
     Hook("read", "vllm.model_executor.models.utils:extract_layer_index",
          "FDC: a layer's row in the calibration, from its name", ("layer_name",)),
+    Hook("override", "vllm.v1.kv_cache_interface:FullAttentionSpec.max_num_blocks_per_req",
+         "gvote: the worker's row keeps a vote's given-back positions", ("self", "vllm_config", "max_len")),
     Hook("override", "vllm.v1.kv_cache_interface:FullAttentionSpec.max_memory_usage_bytes",
          "what one request may need (start-up admission)", ("self", "vllm_config")),
     Hook("base", f"{_MANAGER}:FullAttentionManager", "base of the capped manager",

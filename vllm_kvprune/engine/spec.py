@@ -28,6 +28,17 @@ class KVPruneSpec(FullAttentionSpec):
         blocks = policy.peak_blocks(self.block_size, vllm_config.model_config.max_model_len)
         return min(full, blocks * self.page_size_bytes)
 
+    def max_num_blocks_per_req(self, vllm_config, max_len: int) -> int:
+        # The worker's block-table row is append-only (VLLM_NOTES 5). A footprint policy's vote
+        # gives blocks back in place (null positions, at most the prompt's blocks), and the
+        # blocks its kept tokens take later come after them (at most `max_len + 2` tokens' worth
+        # per head, page-rounded): a row may reach twice vLLM's width, plus the rounding. Only
+        # the worker's table widens (int32 entries); the pool is unchanged.
+        width = super().max_num_blocks_per_req(vllm_config, max_len)
+        if policy_from_vllm_config(vllm_config).reports_footprint:
+            return 2 * width + 2
+        return width
+
 
 class FdcSpec(FullAttentionSpec):
     """Full attention whose heads are narrower (FDC): `head_size` is the per-layer packed width
