@@ -27,8 +27,9 @@ SINKS = 4
 
 def policy_cases(model: str) -> dict[str, dict]:
     """One engine per policy the GPU wrapper runs, each with requests that evict in decode
-    and prune their prompt, plus one policy it refuses. Few tokens: vLLM's Triton attention is
-    slow in the interpreter (about 3 s a step here; h2o's decode runs our kernel instead)."""
+    and prune their prompt (gvote and fdc on the HND layout they ask for). Few tokens: vLLM's
+    Triton attention is slow in the interpreter (about 3 s a step here; h2o's decode runs our
+    kernel instead)."""
     def case(policy, lengths, overrides, max_tokens, block_size=32, seed=3, kv_blocks=64):
         return dict(model=model, policy=policy, max_tokens=max_tokens, block_size=block_size, kv_blocks=kv_blocks,
                     requests=[{"prompt": p, "extra_args": o or None} for p, o in zip(prompts(lengths, seed), overrides)])

@@ -328,7 +328,6 @@ class WorkerKVState:
                 state = self._state_for(request_id, row_args["num_computed"], rows.extra_args[row])
                 if state.pages is not None:
                     row_args["block_row"] = state.pages.live_row(row_args["block_row"])
-                live_rows.append(row_args["block_row"])
                 if state.failure is None:
                     faults.inject("plan", request_id)
                     builder.add_row(state, **row_args)
@@ -336,7 +335,7 @@ class WorkerKVState:
             except Exception as error:  # noqa: BLE001 - contained: this request fails alone
                 state = self.requests[request_id]  # `_state_for` stores it before anything can fail
                 faults.fail(state, "plan", error)
-            if len(live_rows) == row:
+            finally:
                 live_rows.append(row_args["block_row"])
             builder.add_quarantined(state, **row_args)
         plan = builder.finish()

@@ -33,9 +33,9 @@ import dataclasses
 
 import torch
 
+from vllm_kvprune import vllm_hooks
 from vllm_kvprune.config import policy_from_vllm_config
 from vllm_kvprune.engine.spec import KVPruneSpec
-from vllm_kvprune import vllm_hooks
 from vllm_kvprune.vllm_hooks import (
     AttentionCGSupport,
     TritonAttentionBackend,
