@@ -1,8 +1,10 @@
-"""Helper for test_gpu_wrapper: vLLM engines on this CPU running the GPU wrapper
-(TRITON_ATTN: vLLM's Triton kernels and ours, in Triton's interpreter), one after another in
+"""Helper for test_gpu_wrapper: vLLM engines on this CPU running a GPU wrapper (TRITON_ATTN:
+vLLM's Triton kernels and ours, in Triton's interpreter; FLASH_ATTN: vLLM's FlashAttention
+builder and impl over torch references of FA's ops, ours interpreted), one after another in
 this process; greedy tokens and logprobs as JSON, and which attention impl the layers ran.
 
     TRITON_INTERPRET=1 VLLM_KVPRUNE_TRITON_ON_CPU=1 python gpu_wrapper_run.py CASES.json OUT.json
+    TRITON_INTERPRET=1 VLLM_KVPRUNE_TRITON_ON_CPU=FLASH_ATTN python gpu_wrapper_run.py CASES.json OUT.json
 
 CASES: a list of {"model", "policy", "requests": [{"prompt": token ids, "extra_args": {...}}],
 "max_tokens", "block_size", "kv_blocks"}. OUT: a list of {"results", "impls", "hnd",

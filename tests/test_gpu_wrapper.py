@@ -1,11 +1,13 @@
-"""The GPU wrapper (vLLM's TRITON_ATTN with the policies) in a real vLLM engine.
+"""The GPU wrappers (vLLM's TRITON_ATTN and FLASH_ATTN with the policies) in a real vLLM engine.
 
-This machine has no GPU, so the engine runs on the CPU with the GPU wrapper in place of the
-CPU one (`VLLM_KVPRUNE_TRITON_ON_CPU=1`): the shared step planning, the impl's work around the
-kernel with our Triton kernels (`TritonKernels`), and vLLM's own Triton kernels for the cache
-write and the attention, all in Triton's interpreter. The proof is the policy's reference
-implementation, as for the CPU wrapper. The engine runs in a subprocess: the wrapper is chosen
-when the plugin registers, once per process."""
+This machine has no GPU, so the engine runs on the CPU with a GPU wrapper in place of the
+CPU one (`VLLM_KVPRUNE_TRITON_ON_CPU=1`, or `=FLASH_ATTN`): the shared step planning, the
+impl's work around the kernel with our Triton kernels (`TritonKernels`), all in Triton's
+interpreter, and for the cache write and the attention vLLM's own Triton kernels (TRITON_ATTN,
+interpreted too) or vLLM's FLASH_ATTN builder and impl calling torch references of the two
+FlashAttention ops (its CUDA kernels are not in vLLM's CPU build). The proof is the policy's
+reference implementation, as for the CPU wrapper. The engine runs in a subprocess: the
+wrapper is chosen when the plugin registers, once per process."""
 
 from __future__ import annotations
 
@@ -107,12 +109,42 @@ def wrapper_runs(tiny_model, tmp_path_factory):
     calibrated.save(folder / "tiny.safetensors")
     for name in ("fdc", "streaming_fdc"):
         cases[name]["policy"]["fdc"] = str(folder / "tiny.safetensors")
+    return cases, _run_engines(cases, folder, "TRITON_ATTN"), calibrated
+
+
+# The policies whose cache write and attention go through vLLM's backend (fdc's narrow cache
+# goes through our kernels only, the same on either backend).
+FLASH_CASES = ("streaming", "h2o", "paged_eviction", "gvote")
+
+
+@pytest.fixture(scope="module")
+def flash_runs(tiny_model, tmp_path_factory):
+    """The FLASH_ATTN wrapper's engines, in one subprocess."""
+    cases = {name: case for name, case in policy_cases(tiny_model).items() if name in FLASH_CASES}
+    # h2o's decode runs our fused kernel on either backend (interpreted: 1 s a token here);
+    # FA's part is its prompt, so fewer decode tokens (still evicting every step).
+    cases["h2o"]["max_tokens"] = 12
+    return cases, _run_engines(cases, tmp_path_factory.mktemp("flash_wrapper"), "FLASH_ATTN")
+
+
+def _run_engines(cases: dict, folder: Path, backend: str) -> dict:
     (folder / "cases.json").write_text(json.dumps(list(cases.values())))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "VLLM_KVPRUNE_TRITON_ON_CPU": "1"}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "VLLM_KVPRUNE_TRITON_ON_CPU": backend}
     done = subprocess.run([sys.executable, str(RUNNER), str(folder / "cases.json"), str(folder / "out.json")],
                           env=env, capture_output=True, text=True, timeout=2400)
     assert done.returncode == 0, done.stderr[-4000:]
-    return cases, dict(zip(cases, json.loads((folder / "out.json").read_text()))), calibrated
+    return dict(zip(cases, json.loads((folder / "out.json").read_text())))
+
+
+def _assert_matches_the_reference(reference_model, name: str, case: dict, run: dict, calibrated=None) -> None:
+    for request, got in zip(case["requests"], run["results"]):
+        prompt, override = request["prompt"], request["extra_args"] or {}
+        reference = reference_for(reference_model, case["policy"], override, calibrated)
+        expected = reference.generate(prompt, case["max_tokens"], prompt_logprobs=False)
+        if name == "gvote":  # heads of one request kept different lengths: head-pages were exercised
+            assert (reference.kept_lengths != reference.kept_lengths[0, 0]).any()
+        assert got["token_ids"] == expected.token_ids, f"prompt of {len(prompt)}, {override}"
+        assert np.max(np.abs(np.array(got["logprobs"]) - np.array(expected.logprobs))) < 1e-3
 
 
 @pytest.mark.slow
@@ -125,14 +157,18 @@ def test_policy_on_the_gpu_wrapper_matches_the_reference(wrapper_runs, reference
     assert run["hnd"] == (name in ("gvote", "fdc", "streaming_fdc")), "head-pages, FDC's rows need HND; others NHD"
     # FDC's packed keys in the layout our Triton kernel reads fastest (token-major).
     assert run["fdc_keys_by_token"] == (True if "fdc" in name else None)
-    for request, got in zip(case["requests"], run["results"]):
-        prompt, override = request["prompt"], request["extra_args"] or {}
-        reference = reference_for(reference_model, case["policy"], override, calibrated)
-        expected = reference.generate(prompt, case["max_tokens"], prompt_logprobs=False)
-        if name == "gvote":  # heads of one request kept different lengths: head-pages were exercised
-            assert (reference.kept_lengths != reference.kept_lengths[0, 0]).any()
-        assert got["token_ids"] == expected.token_ids, f"prompt of {len(prompt)}, {override}"
-        assert np.max(np.abs(np.array(got["logprobs"]) - np.array(expected.logprobs))) < 1e-3
+    _assert_matches_the_reference(reference_model, name, case, run, calibrated)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FLASH_CASES)
+def test_policy_on_the_flash_attention_wrapper_matches_the_reference(flash_runs, reference_model, name):
+    cases, runs = flash_runs
+    case, run = cases[name], runs[name]
+    assert "error" not in run, run.get("error")
+    assert run["impls"] == ["KVPruneFlashImpl"]
+    assert run["hnd"] == (name == "gvote"), "head-pages need HND; others NHD"
+    _assert_matches_the_reference(reference_model, name, case, run)
 
 
 def test_gpu_start_up_checks(monkeypatch):
@@ -150,12 +186,22 @@ def test_gpu_start_up_checks(monkeypatch):
     with pytest.raises(ValueError, match=r"kv_policy 'h2o' does not run on a GPU yet \(GPU: streaming"):
         plugin._check_gpu_policy(KVPolicyConfig(name="h2o"))
     chosen = SimpleNamespace(attention_config=SimpleNamespace(backend=None))
-    plugin._use_triton_attention(chosen)
+    plugin._use_gpu_attention(chosen)
     assert chosen.attention_config.backend == AttentionBackendEnum.TRITON_ATTN
-    plugin._use_triton_attention(chosen)  # asked for by name: kept
+    plugin._use_gpu_attention(chosen)  # asked for by name: kept
+    assert chosen.attention_config.backend == AttentionBackendEnum.TRITON_ATTN
     asked = SimpleNamespace(attention_config=SimpleNamespace(backend=AttentionBackendEnum.FLASH_ATTN))
-    with pytest.raises(ValueError, match="--attention-backend FLASH_ATTN is not supported"):
-        plugin._use_triton_attention(asked)
+    plugin._use_gpu_attention(asked)
+    assert asked.attention_config.backend == AttentionBackendEnum.FLASH_ATTN
+    other = SimpleNamespace(attention_config=SimpleNamespace(backend=AttentionBackendEnum.FLASHINFER))
+    with pytest.raises(ValueError, match="TRITON_ATTN or FLASH_ATTN .*--attention-backend FLASHINFER is not supported"):
+        plugin._use_gpu_attention(other)
+    # Context parallelism splits a request's tokens over ranks: refused, naming the flag.
+    plugin._check_context_parallel(KVPolicyConfig(name="h2o"), SimpleNamespace(
+        decode_context_parallel_size=1, prefill_context_parallel_size=1))
+    with pytest.raises(ValueError, match="--decode-context-parallel-size 2 is not supported"):
+        plugin._check_context_parallel(KVPolicyConfig(name="h2o"), SimpleNamespace(
+            decode_context_parallel_size=2, prefill_context_parallel_size=1))
 
 
 def test_window_of_every_impl_kind():
@@ -166,6 +212,25 @@ def test_window_of_every_impl_kind():
         return LayerFeatures.of("layer", SimpleNamespace(impl=SimpleNamespace(sliding_window=stored))).sliding_window
 
     assert [window(w) for w in (None, -1, 4096, (-1, -1), (4095, 0))] == [None, None, 4096, None, 4096]
+
+
+def test_flash_attention_4_head_size_256_kernel_refuses():
+    """FA4's head-size-256 kernel (Blackwell) wants exact-width block tables: the FLASH_ATTN
+    wrapper's layer says so and the feature check refuses it at model load, naming the remedy."""
+    from vllm_kvprune.config import KVPolicyConfig
+    from vllm_kvprune.worker.features import LayerFeatures, refusal
+    from vllm_kvprune.worker.flash_backend import KVPruneFlashImpl
+
+    impl = object.__new__(KVPruneFlashImpl)  # FA's __init__ sets fa4_hd256 from the device it finds
+    for policy in ("streaming", "h2o", "paged_eviction", "gvote"):
+        impl.fa4_hd256 = False
+        layers = [LayerFeatures.of("layers.0.attn", SimpleNamespace(impl=impl))]
+        assert refusal(KVPolicyConfig(name=policy), layers) is None
+        impl.fa4_hd256 = True
+        layers = [LayerFeatures.of("layers.0.attn", SimpleNamespace(impl=impl))]
+        assert refusal(KVPolicyConfig(name=policy), layers) == (
+            f"{policy}: FlashAttention 4's head-size-256 kernel (layers.0.attn) is not supported; "
+            "use --attention-backend TRITON_ATTN")
 
 
 def test_the_scheduler_follows_async_scheduling():

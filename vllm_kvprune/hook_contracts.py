@@ -50,6 +50,37 @@ _CPU_ATTN = "vllm.v1.attention.backends.cpu_attn"
 _RUNNER = "vllm.v1.worker.cpu_model_runner"
 _GPU_RUNNER = "vllm.v1.worker.gpu_model_runner"
 _TRITON_ATTN = "vllm.v1.attention.backends.triton_attn"
+_FLASH_ATTN = "vllm.v1.attention.backends.flash_attn"
+
+
+def _gpu_backend_hooks(module: str, prefix: str, page_metadata_why: str, page_metadata_fields: tuple[str, ...],
+                       impl_attributes: tuple[str, ...] = ()) -> tuple[Hook, ...]:
+    """What a GPU wrapper (`worker/gpu_backend.py`) uses of vLLM's backend `{prefix}Backend`
+    and its builder, impl and metadata in `module`."""
+    return (
+        Hook("base", f"{module}:{prefix}Backend", "our GPU backend wraps it"),
+        Hook("override", f"{module}:{prefix}Backend.customize_spec", "substitutes the capped spec", ("spec",)),
+        Hook("override", f"{module}:{prefix}Backend.supported_kv_cache_layouts",
+             "head-pages need each block's heads outermost (HND)", ()),
+        Hook("read", f"{module}:{prefix}Metadata", page_metadata_why,
+             attributes=(*page_metadata_fields, "query_start_loc", "seq_lens", "block_table", "max_seq_len",
+                         "num_actual_tokens")),
+        Hook("base", f"{module}:{prefix}MetadataBuilder", "plans physical slots",
+             attributes=("kv_cache_spec", "block_size", "device")),
+        Hook("override", f"{module}:{prefix}MetadataBuilder.build", "physical seq_lens and slots",
+             ("self", "common_prefix_len", "common_attn_metadata")),
+        Hook("override", f"{module}:{prefix}MetadataBuilder.get_cudagraph_support",
+             "no full CUDA graphs of a policy's attention", ("vllm_config", "kv_cache_spec")),
+        Hook("base", f"{module}:{prefix}Impl", "moves tokens around vLLM's kernel",
+             attributes=("scale", "num_heads", "head_size", "num_kv_heads", "sliding_window", "logits_soft_cap",
+                         "alibi_slopes", "sinks", "kv_cache_dtype", "attn_type", "kv_sharing_target_layer_name",
+                         *impl_attributes)),
+        Hook("override", f"{module}:{prefix}Impl.do_kv_cache_update", "writes to planned slots",
+             ("self", "layer", "key", "value", "kv_cache", "slot_mapping")),
+        Hook("override", f"{module}:{prefix}Impl.forward", "attention over physical slots",
+             ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output")),
+    )
+
 
 HOOKS: tuple[Hook, ...] = (
     # Front end: flags, engine settings, per-request validation.
@@ -201,29 +232,14 @@ HOOKS: tuple[Hook, ...] = (
     Hook("read", f"{_CPU_ATTN}:CPUAttentionMetadataBuilder", "what its schedule call uses",
          attributes=("dtype", "head_dim", "isa", "window_size", "kv_cache_dtype", "num_heads", "num_kv_heads")),
     # GPU: the wrapper over TRITON_ATTN and the worker that runs our runner.
-    Hook("base", f"{_TRITON_ATTN}:TritonAttentionBackend", "our GPU backend wraps it"),
-    Hook("override", f"{_TRITON_ATTN}:TritonAttentionBackend.customize_spec", "substitutes the capped spec",
-         ("spec",)),
-    Hook("override", f"{_TRITON_ATTN}:TritonAttentionBackend.supported_kv_cache_layouts",
-         "head-pages need each block's heads outermost (HND)", ()),
+    # GPU: the wrappers over TRITON_ATTN and FLASH_ATTN (the same cache, the same overrides),
+    # and the worker that runs our runner.
+    *_gpu_backend_hooks(_TRITON_ATTN, "TritonAttention", "head-pages: vLLM's 2D kernel for the pseudo-sequences",
+                        ("seq_threshold_3D",)),
+    *_gpu_backend_hooks(_FLASH_ATTN, "FlashAttention", "head-pages: FA schedules the pseudo-sequences itself",
+                        ("scheduler_metadata",), impl_attributes=("fa4_hd256",)),
     Hook("read", "vllm.v1.kv_cache_layout:KVCacheLayout", "the HND layout head-pages need", attributes=("LBHNC",)),
-    Hook("read", f"{_TRITON_ATTN}:TritonAttentionMetadata", "head-pages: vLLM's 2D kernel for the pseudo-sequences",
-         attributes=("seq_threshold_3D", "query_start_loc", "seq_lens", "block_table", "max_seq_len",
-                     "num_actual_tokens")),
-    Hook("base", f"{_TRITON_ATTN}:TritonAttentionMetadataBuilder", "plans physical slots",
-         attributes=("kv_cache_spec", "block_size", "device")),
-    Hook("override", f"{_TRITON_ATTN}:TritonAttentionMetadataBuilder.build", "physical seq_lens and slots",
-         ("self", "common_prefix_len", "common_attn_metadata")),
-    Hook("override", f"{_TRITON_ATTN}:TritonAttentionMetadataBuilder.get_cudagraph_support",
-         "no full CUDA graphs of a policy's attention", ("vllm_config", "kv_cache_spec")),
     Hook("read", "vllm.v1.attention.backend:AttentionCGSupport", "the CUDA-graph support it reports"),
-    Hook("base", f"{_TRITON_ATTN}:TritonAttentionImpl", "moves tokens around vLLM's kernel",
-         attributes=("scale", "num_heads", "head_size", "num_kv_heads", "sliding_window", "logits_soft_cap",
-                     "alibi_slopes", "sinks", "kv_cache_dtype", "attn_type", "kv_sharing_target_layer_name")),
-    Hook("override", f"{_TRITON_ATTN}:TritonAttentionImpl.do_kv_cache_update", "writes to planned slots",
-         ("self", "layer", "key", "value", "kv_cache", "slot_mapping")),
-    Hook("override", f"{_TRITON_ATTN}:TritonAttentionImpl.forward", "attention over physical slots",
-         ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output")),
     Hook("base", "vllm.v1.worker.gpu_worker:Worker", "builds our GPU runner",
          attributes=("use_v2_model_runner",)),
     Hook("override", "vllm.v1.worker.gpu_worker:Worker._make_model_runner", "swaps in our GPU runner", ("self",)),

@@ -13,7 +13,7 @@ import logging
 import sys
 from pathlib import Path
 
-from vllm_kvprune import admission, vllm_hooks
+from vllm_kvprune import admission, gpu_on_cpu, vllm_hooks
 
 from vllm_kvprune.config import (
     ADDITIONAL_CONFIG_KEY,
@@ -37,7 +37,11 @@ ASYNC_SCHEDULER_CLS = "vllm_kvprune.engine.scheduler.KVPruneAsyncScheduler"
 WORKER_CLS = "vllm_kvprune.worker.cpu_worker.KVPruneCPUWorker"
 BACKEND_CLS = "vllm_kvprune.worker.backend.KVPruneCPUBackend"
 GPU_WORKER_CLS = "vllm_kvprune.worker.gpu_worker.KVPruneGPUWorker"
-GPU_BACKEND_CLS = "vllm_kvprune.worker.triton_backend.KVPruneTritonBackend"
+# vLLM's GPU attention backends our wrapper wraps (the first is the default) -> our class.
+GPU_BACKENDS = {
+    "TRITON_ATTN": "vllm_kvprune.worker.triton_backend.KVPruneTritonBackend",
+    "FLASH_ATTN": "vllm_kvprune.worker.flash_backend.KVPruneFlashBackend",
+}
 # The policies the GPU wrapper carries out (all of them today; docs/GPU.md).
 GPU_POLICIES = ("streaming", "h2o", "paged_eviction", "gvote", "fdc")
 REQUEST_VALIDATOR = "vllm_kvprune.plugin:RequestValidator"
@@ -73,7 +77,7 @@ def register() -> None:
         _install_kv_spec()
         vllm_hooks.install_memory_hint(_memory_hint)
         vllm_hooks.install_prompt_check(check_prompt)
-        vllm_hooks.install_backend(BACKEND_CLS, GPU_BACKEND_CLS)
+        vllm_hooks.install_backend(BACKEND_CLS, GPU_BACKENDS)
         _install_metrics()
     except Exception as exc:  # noqa: BLE001 - a broken plugin must not take vLLM down
         _install_error = exc
@@ -258,16 +262,17 @@ def _adjust_vllm_config(vllm_config, policy: KVPolicyConfig) -> None:
 
     if current_platform.is_cpu():
         worker_cls, stock_worker = WORKER_CLS, "vllm.v1.worker.cpu_worker.CPUWorker"
-        if vllm_hooks.triton_wrapper_on_cpu():  # tests: the GPU wrapper, interpreted
+        if gpu_on_cpu.active():  # tests: a GPU wrapper on the CPU
             _check_gpu_policy(policy)
     elif current_platform.is_cuda_alike():
         worker_cls, stock_worker = GPU_WORKER_CLS, "vllm.v1.worker.gpu_worker.Worker"
         _check_gpu_policy(policy)
-        _use_triton_attention(vllm_config)
+        _use_gpu_attention(vllm_config)
         _check_graphs(policy, vllm_config)
     else:
         raise ValueError(f"kv_policy {policy.name!r} is not available on {current_platform.device_name} "
                          "(CPU, CUDA and ROCm only)")
+    _check_context_parallel(policy, vllm_config.parallel_config)
     block_size = vllm_config.cache_config.block_size
     policy.check_engine(block_size)
     check_fdc_file(policy, vllm_config.model_config.model)
@@ -286,6 +291,16 @@ def scheduler_cls(async_scheduling: bool | None) -> str:
     """Our scheduler over the one vLLM would run: vLLM has resolved `async_scheduling` by the
     time the engine config is adjusted (on unless something rules it out; off on a CPU)."""
     return ASYNC_SCHEDULER_CLS if async_scheduling else SCHEDULER_CLS
+
+
+def _check_context_parallel(policy: KVPolicyConfig, parallel) -> None:
+    """Context parallelism splits one request's tokens over ranks; the policies' maps hold a
+    request's slots whole on every rank (tensor parallelism splits heads, which they follow)."""
+    for flag, size in (("--decode-context-parallel-size", parallel.decode_context_parallel_size),
+                       ("--prefill-context-parallel-size", parallel.prefill_context_parallel_size)):
+        if size > 1:
+            raise ValueError(f"kv_policy {policy.name!r} does not run with context parallelism; {flag} {size} "
+                             "is not supported (tensor parallelism is)")
 
 
 def _check_gpu_policy(policy: KVPolicyConfig) -> None:
@@ -307,13 +322,15 @@ def _check_graphs(policy: KVPolicyConfig, vllm_config) -> None:
                          "--enforce-eager")
 
 
-def _use_triton_attention(vllm_config) -> None:
-    """The GPU wrapper wraps TRITON_ATTN: chosen unless the user asked for another backend."""
+def _use_gpu_attention(vllm_config) -> None:
+    """The GPU wrapper wraps TRITON_ATTN (chosen unless the user asked for another backend)
+    and FLASH_ATTN (when asked for: `--attention-backend FLASH_ATTN`)."""
     asked = vllm_hooks.attention_backend_choice(vllm_config)
-    if asked is not None and getattr(asked, "name", str(asked)) != "TRITON_ATTN":
-        raise ValueError(f"kv_policy runs on the TRITON_ATTN attention backend on a GPU; "
-                         f"--attention-backend {getattr(asked, 'name', asked)} is not supported")
-    vllm_hooks.choose_triton_attention(vllm_config)
+    name = getattr(asked, "name", asked) if asked is not None else next(iter(GPU_BACKENDS))
+    if name not in GPU_BACKENDS:
+        raise ValueError(f"kv_policy runs on the {' or '.join(GPU_BACKENDS)} attention backends on a GPU; "
+                         f"--attention-backend {name} is not supported")
+    vllm_hooks.choose_attention(vllm_config, name)
 
 
 def _memory_hint(vllm_config) -> str | None:

@@ -22,10 +22,10 @@ and are read through this module.
 from __future__ import annotations
 
 import functools
-import importlib
 from collections.abc import Callable
 from typing import Any
 
+from vllm_kvprune import gpu_on_cpu
 from vllm_kvprune.hook_contracts import (  # noqa: F401 - the contract API, read through this module
     HOOKS,
     Hook,
@@ -166,54 +166,28 @@ def install_prompt_check(check: Callable[[Any, int], None]) -> None:
     InputProcessor._validate_prompt_len = validate_prompt_len
 
 
-def install_backend(cpu_class_path: str, gpu_class_path: str) -> None:
-    """Our wrappers in place of vLLM's backends: CPU_ATTN on a CPU, TRITON_ATTN on CUDA/ROCm.
-    With `VLLM_KVPRUNE_TRITON_ON_CPU=1` (tests only) a CPU engine runs the GPU wrapper
-    instead, vLLM's Triton kernels and ours in Triton's interpreter (`TRITON_INTERPRET=1`)."""
+def install_backend(cpu_class_path: str, gpu_class_paths: dict[str, str]) -> None:
+    """Our wrappers in place of vLLM's backends: CPU_ATTN on a CPU; on CUDA/ROCm each GPU
+    backend we wrap (`gpu_class_paths`: vLLM's backend name -> our class).
+    With `VLLM_KVPRUNE_TRITON_ON_CPU=1` (tests only) a CPU engine runs the TRITON_ATTN
+    wrapper instead, vLLM's Triton kernels and ours in Triton's interpreter
+    (`TRITON_INTERPRET=1`); with `=FLASH_ATTN` the FLASH_ATTN wrapper, vLLM's FlashAttention
+    ops given by torch references (`kernels/flash_reference.py`), ours interpreted
+    (`gpu_on_cpu.py`)."""
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     if current_platform.is_cpu():
         # CpuPlatform ignores --attention-backend; overriding the CPU_ATTN member is the way in.
-        if triton_wrapper_on_cpu():
-            _interpret_vllm_triton_on_cpu()
-            register_backend(AttentionBackendEnum.CPU_ATTN, gpu_class_path)
+        wrapped = gpu_on_cpu.wrapped_backend()
+        if wrapped is not None:
+            gpu_on_cpu.prepare(wrapped)
+            register_backend(AttentionBackendEnum.CPU_ATTN, gpu_class_paths[wrapped])
         else:
             register_backend(AttentionBackendEnum.CPU_ATTN, cpu_class_path)
     elif current_platform.is_cuda_alike():
-        register_backend(AttentionBackendEnum.TRITON_ATTN, gpu_class_path)
-
-
-def triton_wrapper_on_cpu() -> bool:
-    """Tests only (`VLLM_KVPRUNE_TRITON_ON_CPU=1`): a CPU engine runs the GPU wrapper."""
-    import os
-
-    return os.environ.get("VLLM_KVPRUNE_TRITON_ON_CPU") == "1"
-
-
-def _interpret_vllm_triton_on_cpu() -> None:
-    """Tests only: vLLM's CPU build swaps Triton for a placeholder (Triton has no CPU
-    backend) and its cache write asks CUDA for the device's capability (a tile-size choice).
-    Give it the real Triton, which `TRITON_INTERPRET=1` runs on CPU tensors, and capability
-    9.0 for CPU tensors."""
-    import os
-
-    import torch
-    import triton
-    import triton.language as tl
-
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("VLLM_KVPRUNE_TRITON_ON_CPU=1 needs TRITON_INTERPRET=1")
-    triton_utils = importlib.import_module("vllm.triton_utils")
-    triton_utils.triton, triton_utils.tl, triton_utils.HAS_TRITON = triton, tl, True
-    real_capability = torch.cuda.get_device_capability
-
-    def capability(device=None):
-        if isinstance(device, torch.device) and device.type == "cpu":
-            return (9, 0)
-        return real_capability(device)
-
-    torch.cuda.get_device_capability = capability
+        for name, class_path in gpu_class_paths.items():
+            register_backend(AttentionBackendEnum[name], class_path)
 
 
 def graphed_cache_write(vllm_config) -> str | None:
@@ -242,11 +216,11 @@ def attention_backend_choice(vllm_config) -> Any:
     return vllm_config.attention_config.backend
 
 
-def choose_triton_attention(vllm_config) -> None:
-    """Serve with TRITON_ATTN (our GPU wrapper wraps it)."""
+def choose_attention(vllm_config, name: str) -> None:
+    """Serve with vLLM's attention backend `name` (one our GPU wrapper wraps)."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    vllm_config.attention_config.backend = AttentionBackendEnum.TRITON_ATTN
+    vllm_config.attention_config.backend = AttentionBackendEnum[name]
 
 
 # ---- reads -------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ once, before the KV cache exists:
 | ALiBi                           | refused            | refused            | refused            | refused            | refused  |
 | fp8 KV cache                    | refused            | refused            | refused            | refused            | refused  |
 | non-decoder attention, KV reuse | refused            | refused            | refused            | refused            | refused  |
+| a backend kernel variant we do not honour (FLASH_ATTN's FA4 head-size-256 kernel) | refused | refused | refused | refused | refused |
 | no fused QKV projection + RoPE  | yes                | yes                | yes                | refused            | yes      |
 | `positions: cache`              | the layer's own RoPE if plain (any style, partial, scaled), else refused | - | - |
 
@@ -62,6 +63,7 @@ class LayerFeatures:
     kv_cache_dtype: str
     attn_type: str
     shares_kv: bool
+    kernel_refusal: str | None = None
 
     @classmethod
     def of(cls, name: str, attention: Any) -> "LayerFeatures":
@@ -75,6 +77,8 @@ class LayerFeatures:
             kv_cache_dtype=str(getattr(impl, "kv_cache_dtype", "auto")),
             attn_type=str(getattr(getattr(impl, "attn_type", "decoder"), "value", getattr(impl, "attn_type", "decoder"))),
             shares_kv=getattr(impl, "kv_sharing_target_layer_name", None) is not None,
+            # What the wrapped backend's own kernel would run that the policies do not honour.
+            kernel_refusal=impl.policy_refusal() if callable(getattr(impl, "policy_refusal", None)) else None,
         )
 
     @property
@@ -98,6 +102,8 @@ def refusal(config: KVPolicyConfig, layers: list[LayerFeatures],
         return f"{policy}: {feature} ({layer.name}) is not supported" + (f"; {remedy}" if remedy else "")
 
     for layer in layers:
+        if layer.kernel_refusal is not None:
+            return refused(layer.kernel_refusal, layer, "use --attention-backend TRITON_ATTN")
         if layer.attn_type != "decoder":
             return refused(f"{layer.attn_type} attention", layer)
         if layer.shares_kv:
