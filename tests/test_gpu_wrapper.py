@@ -97,34 +97,48 @@ def reference_for(model, policy: dict, override: dict, calibration=None):
 
 
 @pytest.fixture(scope="module")
-def wrapper_runs(tiny_model, tmp_path_factory):
-    """Every case's engine, in one subprocess (the interpreter's kernels are built once)."""
-    folder = tmp_path_factory.mktemp("gpu_wrapper")
-    cases = policy_cases(tiny_model)
+def fdc_calibration(tiny_model, tmp_path_factory):
+    """FDC's calibration of the tiny model (rate 0.1: heads of unequal ranks) and its file."""
     from vllm_kvprune.fdc import calibration
 
     calibrated = calibration.calibrate(tiny_model, tokens=256, seq_len=128, seed=0, rate=0.1)
     widths = calibrated.qk_rank + calibrated.v_rank
     assert (calibrated.qk_rank < calibrated.head_dim).any() and (widths != widths.flatten()[0]).any()
-    calibrated.save(folder / "tiny.safetensors")
+    path = tmp_path_factory.mktemp("fdc") / "tiny.safetensors"
+    calibrated.save(path)
+    return calibrated, str(path)
+
+
+def _with_calibration(cases: dict, path: str) -> dict:
     for name in ("fdc", "streaming_fdc"):
-        cases[name]["policy"]["fdc"] = str(folder / "tiny.safetensors")
-    return cases, _run_engines(cases, folder, "TRITON_ATTN"), calibrated
-
-
-# The policies whose cache write and attention go through vLLM's backend (fdc's narrow cache
-# goes through our kernels only, the same on either backend).
-FLASH_CASES = ("streaming", "h2o", "paged_eviction", "gvote")
+        if name in cases:
+            cases[name]["policy"]["fdc"] = path
+    return cases
 
 
 @pytest.fixture(scope="module")
-def flash_runs(tiny_model, tmp_path_factory):
+def wrapper_runs(tiny_model, fdc_calibration, tmp_path_factory):
+    """Every case's engine, in one subprocess (the interpreter's kernels are built once)."""
+    calibrated, path = fdc_calibration
+    cases = _with_calibration(policy_cases(tiny_model), path)
+    return cases, _run_engines(cases, tmp_path_factory.mktemp("gpu_wrapper"), "TRITON_ATTN"), calibrated
+
+
+# The policies whose cache write and attention go through vLLM's backend, and fdc (its narrow
+# cache is written and attended by our kernels alone, but its narrowed spec meets FA's builder).
+FLASH_CASES = ("streaming", "h2o", "paged_eviction", "gvote", "fdc")
+
+
+@pytest.fixture(scope="module")
+def flash_runs(tiny_model, fdc_calibration, tmp_path_factory):
     """The FLASH_ATTN wrapper's engines, in one subprocess."""
-    cases = {name: case for name, case in policy_cases(tiny_model).items() if name in FLASH_CASES}
+    calibrated, path = fdc_calibration
+    cases = _with_calibration({name: case for name, case in policy_cases(tiny_model).items()
+                               if name in FLASH_CASES}, path)
     # h2o's decode runs our fused kernel on either backend (interpreted: 1 s a token here);
     # FA's part is its prompt, so fewer decode tokens (still evicting every step).
     cases["h2o"]["max_tokens"] = 12
-    return cases, _run_engines(cases, tmp_path_factory.mktemp("flash_wrapper"), "FLASH_ATTN")
+    return cases, _run_engines(cases, tmp_path_factory.mktemp("flash_wrapper"), "FLASH_ATTN"), calibrated
 
 
 def _run_engines(cases: dict, folder: Path, backend: str) -> dict:
@@ -163,12 +177,13 @@ def test_policy_on_the_gpu_wrapper_matches_the_reference(wrapper_runs, reference
 @pytest.mark.slow
 @pytest.mark.parametrize("name", FLASH_CASES)
 def test_policy_on_the_flash_attention_wrapper_matches_the_reference(flash_runs, reference_model, name):
-    cases, runs = flash_runs
+    cases, runs, calibrated = flash_runs
     case, run = cases[name], runs[name]
     assert "error" not in run, run.get("error")
     assert run["impls"] == ["KVPruneFlashImpl"]
-    assert run["hnd"] == (name == "gvote"), "head-pages need HND; others NHD"
-    _assert_matches_the_reference(reference_model, name, case, run)
+    assert run["hnd"] == (name in ("gvote", "fdc")), "head-pages, FDC's rows need HND; others NHD"
+    assert run["fdc_keys_by_token"] == (True if name == "fdc" else None)
+    _assert_matches_the_reference(reference_model, name, case, run, calibrated)
 
 
 def test_gpu_start_up_checks(monkeypatch):
