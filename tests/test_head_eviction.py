@@ -4,6 +4,7 @@ pruning) run on a real cache with keys and queries built so that each head's cho
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from types import SimpleNamespace
 
@@ -72,6 +73,35 @@ def test_victim_kernel_equals_torch_reference(count):
     assert torch.equal(kernels.lowest_mass_slots(mass, slots, logical, *args), expected)
     chosen = logical.gather(-1, expected)
     assert ((chosen >= 4) & (chosen < 210)).all(), "a sink or a recent token was chosen"
+
+
+def test_one_search_for_many_requests_chooses_as_each_alone():
+    """The step's requests searched together (`victims.lowest_mass_slots_batched`, what a
+    GPU's table takes: padded to one width, ranked in one pass) choose what each request's own
+    search chooses: different lengths, counts, sinks and recent windows, many exact ties."""
+    from vllm_kvprune.kernels import reference
+    from vllm_kvprune.kernels.victims import VictimSearch, lowest_mass_slots_batched
+
+    gen = torch.Generator().manual_seed(0)
+    layers, heads, table_slots = 4, 3, 2048
+    mass = (torch.randint(0, 12, (layers, heads, table_slots), generator=gen) / 4.0).float()
+    pool = torch.randperm(table_slots, generator=gen)
+    searches, start = [], 0
+    for n, count, sinks, recent in ((200, 1, 4, 30), (57, 3, 0, 8), (120, 8, 2, 1), (9, 1, 1, 2)):
+        held = torch.stack([torch.randperm(n + 40, generator=gen)[:n] for _ in range(layers * heads)])
+        searches.append(VictimSearch(pool[start:start + n], held.view(layers, heads, n).numpy(), count,
+                                     n + 40, sinks, recent))
+        start += n
+    found = lowest_mass_slots_batched(mass, searches)
+    for search, victims in zip(searches, found):
+        expected = reference.lowest_mass_slots(mass, search.slots, torch.from_numpy(search.logical), search.count,
+                                               search.next_position, search.sinks, search.recent)
+        assert torch.equal(victims, expected)
+    assert [tuple(v.shape) for v in found] == [(layers, heads, s.count) for s in searches]
+    # As the one-request op, too few evictable tokens is an error, not a protected token chosen.
+    too_many = dataclasses.replace(searches[3], count=10)  # more than it holds
+    with pytest.raises(ValueError, match="fewer than 10 evictable"):
+        lowest_mass_slots_batched(mass, [searches[0], too_many])
 
 
 def test_replace_one_victim_per_head_writes_in_place():
@@ -164,3 +194,79 @@ def test_each_head_keeps_its_own_heavy_hitter(interval):
         expected = key[torch.from_numpy(held[head]), head]
         torch.testing.assert_close(cached_key[:, head], expected)
         torch.testing.assert_close(cached_value[:, head], value[torch.from_numpy(held[head]), head])
+
+
+@pytest.mark.parametrize("joint", [True, False])
+def test_the_step_searches_its_requests_together_and_chooses_as_each_alone(monkeypatch, joint):
+    """Decode steps of three requests: the planner searches every evicting row's victims in
+    one call before planning the rows (`HeadPlanner.search_ahead`), and the rows keep exactly
+    the tokens they keep when each searches alone (the joint search failing, `joint=False`:
+    every row then searches for itself, and nothing fails)."""
+    from vllm_kvprune.policies.h2o import H2OPolicy as Policy
+
+    calls = {"many": 0, "alone": 0}
+    alone, many = Policy.evicted, Policy.evicted_many
+
+    def count_alone(self, *args, **kwargs):
+        calls["alone"] += 1
+        return alone(self, *args, **kwargs)
+
+    def count_many(self, mass, searches):
+        calls["many"] += 1
+        if not joint:
+            raise RuntimeError("the joint search failed")
+        return many(self, mass, searches)
+
+    monkeypatch.setattr(Policy, "evicted", count_alone)
+    monkeypatch.setattr(Policy, "evicted_many", count_many)
+    block_rows = np.array([[5, 2, 7], [1, 0, 3], [4, 6, 8]], np.int32)
+    num_blocks, prompts = 9, np.array([80, 60, 30])
+    state = WorkerKVState(h2o_config(budget=40, sinks=2, recent=4))
+    state.bind_cache(LAYERS, num_blocks=num_blocks, block_size=BLOCK_SIZE, total_kv_heads=HEADS)
+    runtime.install(state)
+    kv_cache = torch.zeros(num_blocks, HEADS, BLOCK_SIZE, 2 * HEAD_DIM)
+    layer = SimpleNamespace(layer_name=LAYERS[0], isa="vec")
+    impl = SimpleNamespace(scale=HEAD_DIM ** -0.5, kernels=CPUKernels())
+    inputs = [constructed_prompt(int(p) + 10, (5, 9), seed=i) for i, p in enumerate(prompts)]
+
+    def step(num_computed: np.ndarray, num_new: np.ndarray):
+        state.rows = StepRows(["a", "b", "c"], num_computed, prompts, block_rows, [None] * 3)
+        plan = state.plan(np.concatenate([[0], np.cumsum(num_new)]), BLOCK_SIZE)
+        query, key, value = (torch.cat([part[i][c:c + n] for part, c, n in zip(inputs, num_computed, num_new)])
+                             for i in range(3))
+        KVPruneImpl._write_per_head(impl, layer, key, value, kv_cache, plan)
+        KVPruneImpl._accumulate_mass(impl, layer, query, kv_cache,
+                                     SimpleNamespace(block_table=torch.from_numpy(block_rows)), plan)
+        if plan.prefill_compactions:
+            KVPruneImpl._prune_prompts_per_head(impl, layer, kv_cache, plan)
+
+    step(np.zeros(3, np.int64), prompts)
+    calls.update(many=0, alone=0)
+    for offset in range(10):
+        step(prompts + offset, np.ones(3, np.int64))
+    # "a" and "b" evict at every decode step but the first (their prompts were pruned to 39,
+    # the first token fills the budget of 40); "c" (30 tokens) never reaches the budget.
+    assert calls == ({"many": 9, "alone": 0} if joint else {"many": 9, "alone": 18})
+    kept = {request_id: state.requests[request_id].heads.logical.copy() for request_id in "abc"}
+    for request_id in "abc":
+        state.requests[request_id].heads.check()
+    # Each request as the only one, each row searching alone: the same tokens kept.
+    for index, request_id in enumerate("abc"):
+        solo = WorkerKVState(h2o_config(budget=40, sinks=2, recent=4))
+        solo.bind_cache(LAYERS, num_blocks=num_blocks, block_size=BLOCK_SIZE, total_kv_heads=HEADS)
+        runtime.install(solo)
+        monkeypatch.setattr(Policy, "evicted_many", many)
+        solo_cache = torch.zeros_like(kv_cache)
+        prompt = int(prompts[index])
+        for computed, new in [(0, prompt), *((prompt + i, 1) for i in range(10))]:
+            solo.rows = StepRows([request_id], np.array([computed]), prompts[index:index + 1],
+                                 block_rows[index:index + 1], [None])
+            plan = solo.plan(np.array([0, new]), BLOCK_SIZE)
+            query, key, value = (part[computed:computed + new] for part in inputs[index])
+            KVPruneImpl._write_per_head(impl, layer, key, value, solo_cache, plan)
+            KVPruneImpl._accumulate_mass(impl, layer, query, solo_cache,
+                                         SimpleNamespace(block_table=torch.from_numpy(block_rows[index:index + 1])),
+                                         plan)
+            if plan.prefill_compactions:
+                KVPruneImpl._prune_prompts_per_head(impl, layer, solo_cache, plan)
+        assert np.array_equal(solo.requests[request_id].heads.logical, kept[request_id]), request_id

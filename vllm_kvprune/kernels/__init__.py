@@ -35,6 +35,7 @@ __all__ = [
     "extension_isa",
     "layout_for_cache",
     "lowest_mass_slots",
+    "lowest_mass_slots_many",
     "probe_layout",
     "read_slots",
     "vec_layout",
@@ -196,6 +197,18 @@ def lowest_mass_slots(mass: torch.Tensor, slots: torch.Tensor, logical: torch.Te
     if logical.dtype != torch.int64 or logical.stride(-1) != 1:
         logical = logical.to(torch.int64).contiguous()
     return torch.ops.kvprune.lowest_mass_slots(mass, slots, logical, count, next_position, sinks, recent)
+
+
+def lowest_mass_slots_many(mass: torch.Tensor, searches: list) -> list[torch.Tensor]:
+    """`lowest_mass_slots` for several requests (`kernels.victims.VictimSearch`): on the host's
+    table each request by the C++ op; on a device's, all of them there at once
+    (`victims.lowest_mass_slots_batched`: one copy back instead of one table per request)."""
+    if mass.device.type != "cpu":
+        from vllm_kvprune.kernels.victims import lowest_mass_slots_batched
+
+        return lowest_mass_slots_batched(mass, searches)
+    return [lowest_mass_slots(mass, search.slots, torch.from_numpy(search.logical), search.count,
+                              search.next_position, search.sinks, search.recent) for search in searches]
 
 
 def _as_slots(slots: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 
 from vllm_kvprune import kernels
 from vllm_kvprune.config import KVPolicyConfig
+from vllm_kvprune.kernels.victims import VictimSearch
 from vllm_kvprune.policies.base import Policy
 
 
@@ -29,6 +30,11 @@ class H2OPolicy(Policy):
         slots hold positions `logical` `[layers, heads, n]`."""
         return kernels.lowest_mass_slots(mass, slots, logical, count, next_position, config.sinks,
                                          config.recent_size)
+
+    def evicted_many(self, mass: torch.Tensor, searches: list[VictimSearch]) -> list[torch.Tensor]:
+        """`evicted` for several requests of one step at once (each search carries its
+        request's sinks and recent window): where the table is, in one pass on a device."""
+        return kernels.lowest_mass_slots_many(mass, searches)
 
     def prefill_survivors(self, mass: torch.Tensor, slots: torch.Tensor, keep: int,
                           config: KVPolicyConfig) -> torch.Tensor:

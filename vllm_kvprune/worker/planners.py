@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from vllm_kvprune.kernels.victims import VictimSearch
 from vllm_kvprune.worker.block_map import LayerBlockMap
 from vllm_kvprune.worker.head_map import SKIP, HeadSlotMap
 from vllm_kvprune.worker.head_page_map import HeadPageMap, global_head_pages, global_head_slots
@@ -77,6 +78,11 @@ class RowPlanner:
     @classmethod
     def attach_map(cls, state: RequestKVState, scores: Any) -> None:
         """Give a new (or restarted) request the map this planner plans."""
+
+    def search_ahead(self, rows: list[Row]) -> None:
+        """Before any row is planned: work the planner can do for all of the step's rows at
+        once (`rows`: those of live requests, as they will be added). Only an optimisation:
+        `add` must plan a row the same without it."""
 
     def add(self, row: Row) -> None:
         raise NotImplementedError
@@ -255,6 +261,9 @@ class HeadPlanner(RowPlanner):
         self.prefill_compactions: list[PrefillCompaction] = []
         self.mass_queries: list[np.ndarray] = []  # [q, 3]: token, row, key count
         self.decode_only = True
+        # Victims searched for the step's evicting rows together (`search_ahead`), by request:
+        # (the search's inputs, its victims); a row whose inputs differ searches again.
+        self.victims_ahead: dict[str, tuple[tuple, torch.Tensor]] = {}
 
     @classmethod
     def attach_map(cls, state: RequestKVState, scores: Any) -> None:
@@ -279,13 +288,41 @@ class HeadPlanner(RowPlanner):
         self.head_slots.append(self._global(row.block_row, local))
         self.seq_lens.append(kept_before_new + row.num_new)
 
+    def search_ahead(self, rows: list[Row]) -> None:
+        """The victims of every row that evicts in decode this step, in one search (on a
+        GPU's table: one pass there and one copy back, not one per request)."""
+        evicting = [row for row in rows if row.decoding() and row.state.config.evicts_before(row.state.heads.num_valid, 1)]
+        if not evicting:
+            return
+        policy = evicting[0].state.policy
+        evicting = [row for row in evicting if type(row.state.policy) is type(policy)]
+        found = policy.evicted_many(self.scores.by_slot, [self._victim_search(row) for row in evicting])
+        for row, victims in zip(evicting, found):
+            self.victims_ahead[row.state.request_id] = (self._search_key(row), victims)
+
+    def _victim_search(self, row: Row) -> VictimSearch:
+        config, heads = row.state.config, row.state.heads
+        return VictimSearch(torch.from_numpy(self._global(row.block_row, np.arange(heads.num_valid))), heads.logical,
+                            heads.num_valid + 1 - config.budget, row.num_computed, config.sinks, config.recent_size)
+
+    @staticmethod
+    def _search_key(row: Row) -> tuple:
+        """What a row's search depends on besides the mass: its map (a restarted request has
+        a new one), how much it holds, where it is, its blocks and settings."""
+        heads = row.state.heads
+        return (id(heads), heads.num_valid, row.num_computed, row.block_row.tobytes(), row.state.config)
+
     def _replace_per_head(self, row: Row) -> np.ndarray:
         """Every head evicts its lowest-mass tokens; returns the new token's local slot per
         layer and head `[layers, 1, heads]` and records the lazy-pruning moves."""
         state, config, heads = row.state, row.state.config, row.state.heads
-        slots = torch.from_numpy(self._global(row.block_row, np.arange(heads.num_valid)))
-        victims = state.policy.evicted(self.scores.by_slot, slots, torch.from_numpy(heads.logical),
-                                       heads.num_valid + 1 - config.budget, row.num_computed, config)
+        ahead = self.victims_ahead.get(state.request_id)
+        if ahead is not None and ahead[0] == self._search_key(row):
+            victims = ahead[1]
+        else:
+            search = self._victim_search(row)
+            victims = state.policy.evicted(self.scores.by_slot, search.slots, torch.from_numpy(search.logical),
+                                           search.count, search.next_position, config)
         replace = heads.gather_replace if self.gather_and_append else heads.replace
         new_slots, sources, destinations = replace(victims.numpy(), row.num_computed)
         if sources.shape[1]:

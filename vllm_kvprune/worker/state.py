@@ -7,6 +7,7 @@ us. How each kind of map plans a row is in `worker/planners.py`; the plan itself
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ from vllm_kvprune.worker.head_page_map import HeadPageMap
 from vllm_kvprune.worker.plan import MassQueries, PlanningError, PrefillCompaction, SinkAnchor, StepPlan
 from vllm_kvprune.worker.planners import PLANNERS, RowPlanner, Row, evict_for
 from vllm_kvprune.worker.slot_map import SlotMap
+
+logger = logging.getLogger("vllm_kvprune")
 
 __all__ = ["HeadMass", "LayerScores", "MassQueries", "PlanningError", "PrefillCompaction", "RequestKVState",
            "SinkAnchor", "StepPlan", "StepRows", "WorkerKVState", "evict_for"]
@@ -318,6 +321,7 @@ class WorkerKVState:
                 f"{'no rows' if rows is None else f'{len(rows.req_ids)} requests'} for it")
         started = time.perf_counter()
         builder = _PlanBuilder(block_size, self.scores)
+        builder.search_ahead(self._known_rows(rows, query_start_loc))
         live_rows = []  # each row's block-table row as its map numbers blocks
         for row in range(num_reqs):
             request_id = rows.req_ids[row]
@@ -348,6 +352,20 @@ class WorkerKVState:
         return plan
 
 
+    def _known_rows(self, rows: StepRows, query_start_loc: np.ndarray) -> list[Row]:
+        """The step's rows of requests already running and not failed, as the loop in `plan`
+        will add them (a new or restarted request is left out: its state is made there)."""
+        known = []
+        for index, request_id in enumerate(rows.req_ids):
+            state = self.requests.get(request_id)
+            if state is None or state.failure is not None or state.pages is not None:
+                continue
+            known.append(Row(state, int(query_start_loc[index]), int(rows.num_computed[index]),
+                             int(query_start_loc[index + 1] - query_start_loc[index]), int(rows.num_prompt[index]),
+                             rows.block_rows[index]))
+        return known
+
+
 class _PlanBuilder:
     """Accumulates the rows of one step into a `StepPlan`, through the planner of the map
     the step's requests hold (one kind per step: the policy is the engine's)."""
@@ -367,6 +385,17 @@ class _PlanBuilder:
         except BaseException:
             planner.rollback(before)
             raise
+
+    def search_ahead(self, rows: list[Row]) -> None:
+        """Let the planner do what it can for all of these rows at once, before they are
+        planned one by one (h2o's victim search). An optimisation only: if it fails, every
+        row does its own work, and fails alone if it must."""
+        if not rows:
+            return
+        try:
+            self._planner_for(rows[0].state).search_ahead(rows)
+        except Exception:  # noqa: BLE001 - each row searches again in `add_row`, contained there
+            logger.debug("kvprune: the step's joint search failed; each row searches alone", exc_info=True)
 
     def add_quarantined(self, state: RequestKVState, first_token: int, num_computed: int, num_new: int,
                         num_prompt: int, block_row: np.ndarray) -> None:

@@ -8,8 +8,8 @@ kernel (the 3D one's scratch is sized for the model's rows, not H times as many)
 
 Which policies run here: `plugin.GPU_POLICIES`. Their score tables (h2o's attention mass,
 paged_eviction's token scores) live beside the cache on the device and are written there
-in every layer; the victims are chosen on the host when the step is planned, from only the
-planned requests' slots copied back. fdc's packed narrow rows are written and read by torch
+in every layer; the victims are chosen when the step is planned (h2o's on the device for
+the whole step, one copy back: `kernels/victims.py`). fdc's packed narrow rows are written and read by torch
 indexing (`PackedHeads`) and attended by our Triton kernel (`TritonKernels.reduced_attention`).
 """
 
