@@ -351,7 +351,6 @@ class WorkerKVState:
         self._step_plan = (rows, plan)
         return plan
 
-
     def _known_rows(self, rows: StepRows, query_start_loc: np.ndarray) -> list[Row]:
         """The step's rows of requests already running and not failed, as the loop in `plan`
         will add them (a new or restarted request is left out: its state is made there)."""
