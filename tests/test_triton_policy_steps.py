@@ -1,7 +1,7 @@
 """The impl's work around the attention kernel (`PolicyAttentionImpl`, shared by the CPU and GPU
 wrappers) carried out with the GPU kernel set: step plans, writes to planned slots, moves,
-attention mass and token scores on the cache's device, prompt pruning, the victims chosen on
-the host. `streaming`, `h2o` and `paged_eviction` steps run twice, with `TritonKernels` on
+attention mass and token scores on the cache's device, prompt pruning, h2o's victims searched
+where its mass table is (`kernels/victims.py` on a GPU), paged_eviction's on the host. `streaming`, `h2o` and `paged_eviction` steps run twice, with `TritonKernels` on
 `DEVICE` (the GPU; Triton's interpreter here) and with the torch references on CPU tensors (the
 references the C++ and Triton kernels are tested against, over vLLM's GPU layout); caches,
 score tables, choices and attention outputs must agree.
@@ -142,6 +142,28 @@ def test_policy_steps_with_the_gpu_kernel_set_match_the_references(name, monkeyp
     assert len(got["outputs"]) == len(expected["outputs"])
     for got_output, expected_output in zip(got["outputs"], expected["outputs"]):
         torch.testing.assert_close(got_output, expected_output.to(got_output.dtype), atol=2e-4, rtol=1e-3)
+
+
+def test_the_joint_victim_search_on_the_device_chooses_as_the_host_op():
+    """h2o's victims for a step's requests at once on the mass table's device (a GPU's sort),
+    against the host reference request by request: ragged lengths, counts, windows, ties."""
+    from vllm_kvprune.kernels.victims import VictimSearch, lowest_mass_slots_batched
+
+    gen = torch.Generator().manual_seed(3)
+    layers, heads, table_slots = 3, 2, 4096
+    mass = (torch.randint(0, 10, (layers, heads, table_slots), generator=gen) / 8.0).float()
+    pool, searches, start = torch.randperm(table_slots, generator=gen), [], 0
+    for n, count, sinks, recent in ((300, 1, 4, 16), (64, 2, 0, 4), (129, 5, 3, 1)):
+        held = torch.stack([torch.randperm(n + 30, generator=gen)[:n] for _ in range(layers * heads)])
+        searches.append(VictimSearch(pool[start:start + n], held.view(layers, heads, n).numpy(), count, n + 30,
+                                     sinks, recent))
+        start += n
+    found = lowest_mass_slots_batched(mass.to(DEVICE), searches)
+    for search, victims in zip(searches, found):
+        assert victims.device.type == "cpu"  # one copy back, for the host's maps
+        expected = reference.lowest_mass_slots(mass, search.slots, torch.from_numpy(search.logical), search.count,
+                                               search.next_position, search.sinks, search.recent)
+        assert torch.equal(victims, expected)
 
 
 def test_fdc_narrow_steps_on_the_device(tmp_path):
