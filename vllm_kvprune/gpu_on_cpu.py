@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 import os
 
-_FLASH_ATTN = "vllm.v1.attention.backends.flash_attn"
+from vllm_kvprune.hook_contracts import _FLASH_ATTN
 
 
 def prepare(backend: str) -> None:

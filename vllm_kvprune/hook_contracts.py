@@ -231,7 +231,6 @@ HOOKS: tuple[Hook, ...] = (
           "sliding_window_size", "isa", "enable_kv_split")),
     Hook("read", f"{_CPU_ATTN}:CPUAttentionMetadataBuilder", "what its schedule call uses",
          attributes=("dtype", "head_dim", "isa", "window_size", "kv_cache_dtype", "num_heads", "num_kv_heads")),
-    # GPU: the wrapper over TRITON_ATTN and the worker that runs our runner.
     # GPU: the wrappers over TRITON_ATTN and FLASH_ATTN (the same cache, the same overrides),
     # and the worker that runs our runner.
     *_gpu_backend_hooks(_TRITON_ATTN, "TritonAttention", "head-pages: vLLM's 2D kernel for the pseudo-sequences",

@@ -272,7 +272,7 @@ class HeadPlanner(RowPlanner):
     def add(self, row: Row) -> None:
         state, config, heads = row.state, row.state.config, row.state.heads
         kept_before_new = heads.num_valid
-        if row.decoding() and config.evicts_before(heads.num_valid, 1):
+        if self._evicts_in_decode(row):
             local = self._replace_per_head(row)
             kept_before_new = config.budget - 1
         else:
@@ -291,7 +291,7 @@ class HeadPlanner(RowPlanner):
     def search_ahead(self, rows: list[Row]) -> None:
         """The victims of every row that evicts in decode this step, in one search (on a
         GPU's table: one pass there and one copy back, not one per request)."""
-        evicting = [row for row in rows if row.decoding() and row.state.config.evicts_before(row.state.heads.num_valid, 1)]
+        evicting = [row for row in rows if self._evicts_in_decode(row)]
         if not evicting:
             return
         policy = evicting[0].state.policy
@@ -299,6 +299,12 @@ class HeadPlanner(RowPlanner):
         found = policy.evicted_many(self.scores.by_slot, [self._victim_search(row) for row in evicting])
         for row, victims in zip(evicting, found):
             self.victims_ahead[row.state.request_id] = (self._search_key(row), victims)
+
+    @staticmethod
+    def _evicts_in_decode(row: Row) -> bool:
+        """Whether this decode row evicts before its token is written (the one test `add` and
+        `search_ahead` share, so the search ahead covers exactly the rows that use it)."""
+        return row.decoding() and row.state.config.evicts_before(row.state.heads.num_valid, 1)
 
     def _victim_search(self, row: Row) -> VictimSearch:
         config, heads = row.state.config, row.state.heads
