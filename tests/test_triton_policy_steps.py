@@ -168,7 +168,8 @@ def test_the_joint_victim_search_on_the_device_chooses_as_the_host_op():
 
 def test_fdc_narrow_steps_on_the_device(tmp_path):
     """FDC's work in the wrapper (`FdcLayers`): the new tokens reduced and written into the
-    packed narrow cache, a compaction's move, and the reduced-space attention through the
+    packed narrow cache by the kernel set's narrow write (a padding row, slot -1, skipped:
+    Triton's writer on the device, the base set's after finding the real rows), a compaction's move, and the reduced-space attention through the
     kernel set, with the rotations moved beside the cache (`FdcLayers.to`). With
     `TritonKernels` on `DEVICE` (keys token-major, the set's layout) against the torch
     reference on the CPU (dims-major): every slot holds the same bits, outputs close. Heads of
@@ -205,7 +206,10 @@ def test_fdc_narrow_steps_on_the_device(tmp_path):
                 positions = [np.arange(c, c + n) for c, n in zip(computed, lengths)]
                 slots = np.concatenate([BLOCK_ROWS[r][p // BLOCK_SIZE].astype(np.int64) * BLOCK_SIZE + p % BLOCK_SIZE
                                         for r, p in zip(rows, positions)])
-                fdc.write(layer, key, value, cache, torch.from_numpy(slots).to(device), BLOCK_SIZE)
+                # Plus one padding row (slot -1, as vLLM pads a batch): the set's narrow write skips it.
+                padded = [torch.cat([part, part[:1]]) for part in (key, value)]
+                fdc.write(layer, *padded, cache, torch.from_numpy(np.append(slots, -1)).to(device), BLOCK_SIZE,
+                          writer=kernels.write_narrow)
                 seq_lens = torch.tensor([c + n for c, n in zip(computed, lengths)], dtype=torch.int32, device=device)
                 starts = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device=device)
                 outputs.append(fdc.attend(layer, query, cache, torch.from_numpy(BLOCK_ROWS[rows]).to(device), starts,

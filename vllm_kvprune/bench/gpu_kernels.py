@@ -25,37 +25,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import statistics
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from vllm_kvprune.bench.gpu_kernels_fdc import case_fdc, case_fdc_layer, case_fdc_tiles
+from vllm_kvprune.bench.gpu_timing import FULL, TINY, Case, Shapes, bench_device, max_abs_error
+
 NAME = "gpu-kernels"
 # Written as results/gpu/kernels_<gpu>.json (kernels_h200.json; kernels_interpreter.json without a GPU).
 DEFAULT_OUT_DIR = "results/gpu"
-
-
-@dataclass(frozen=True)
-class Shapes:
-    batch: int
-    kv_heads: int
-    group: int  # query heads per KV head
-    head_dim: int
-    seq_len: int  # tokens per request (cache tokens for kv-update)
-    evict: tuple[int, ...]  # tokens replaced per request and step (kv-update)
-    block_size: int
-    samples: int  # GVote's synthetic queries
-    prompt: int  # GVote's prompt keys
-    layers: int  # PagedEviction's block-means rows
-
-
-FULL = Shapes(32, 8, 4, 128, 4096, (1, 64), 16, 32, 8192, 30)
-TINY = Shapes(2, 2, 2, 32, 64, (1, 4), 16, 4, 64, 2)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,53 +47,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--cases", nargs="+", default=list(CASES), choices=[*CASES, *SWEEPS],
         help=f"which cases (default: all but the sweeps {', '.join(SWEEPS)})")
     add("--out", default=None, help="writes STEM.json and STEM.png (default: results/gpu/kernels_<gpu>)")
-
-
-def _device() -> str:
-    if torch.cuda.is_available():
-        return "cuda"
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("gpu-kernels needs a CUDA/ROCm GPU, or TRITON_INTERPRET=1 with --tiny to check the script")
-    return "cpu"
-
-
-def _time_ms(call: Callable[[], Any], device: str) -> float:
-    """Median time of one call: Triton's do_bench (CUDA events, cache flushed) on a GPU."""
-    if device == "cuda":
-        import triton.testing
-
-        return float(triton.testing.do_bench(call, warmup=10, rep=60, return_mode="median"))
-    call()
-    times = []
-    for _ in range(3):
-        started = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1e3
-
-
-class Case:
-    """Collects one case's rows: each candidate's time and its deviation from torch."""
-
-    def __init__(self, name: str, device: str, rows: list[dict[str, Any]]) -> None:
-        self.name, self.device, self.rows = name, device, rows
-        self.baseline_ms: float | None = None
-
-    def time(self, label: str, call: Callable[[], Any], max_error: float | None = None, baseline: bool = False,
-             **extra: Any) -> float:
-        milliseconds = _time_ms(call, self.device)
-        if baseline:
-            self.baseline_ms = milliseconds
-        row = {"case": self.name, "candidate": label, "ms": milliseconds, "max_abs_error": max_error, **extra}
-        row["speedup_vs_torch"] = self.baseline_ms / milliseconds if self.baseline_ms else None
-        self.rows.append(row)
-        error = "" if max_error is None else f", max |error| vs torch {max_error:.2e}"
-        print(f"  {self.name}: {label}: {milliseconds:.4f} ms{error}", flush=True)
-        return milliseconds
-
-
-def _error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return float((actual.float() - expected.float()).abs().max())
 
 
 # ---- kv-update --------------------------------------------------------------------------------
@@ -149,7 +84,7 @@ def case_kv_update(shapes: Shapes, dtype: torch.dtype, device: str, rows: list) 
         case.time("in place, torch index_put_", torch_in_place)
         paged[blocks, :, offsets] = 0
         slot_ops.write_slots(key, value, paged, slots)
-        error = max(_error(paged[blocks, :, offsets, :dim], key), _error(paged[blocks, :, offsets, dim:], value))
+        error = max(max_abs_error(paged[blocks, :, offsets, :dim], key), max_abs_error(paged[blocks, :, offsets, dim:], value))
         case.time("in place, Triton write_slots (slot range checked: a device sync)",
                   lambda: slot_ops.write_slots(key, value, paged, slots), error)
         # The worker's slots come from its own maps, so the step's hot path skips the check.
@@ -157,7 +92,7 @@ def case_kv_update(shapes: Shapes, dtype: torch.dtype, device: str, rows: list) 
         if has_cuda_ops:
             paged[blocks, :, offsets] = 0
             torch.ops.kvprune_cuda.write_slots(key, value, paged, slots)
-            error = max(_error(paged[blocks, :, offsets, :dim], key), _error(paged[blocks, :, offsets, dim:], value))
+            error = max(max_abs_error(paged[blocks, :, offsets, :dim], key), max_abs_error(paged[blocks, :, offsets, dim:], value))
             case.time("in place, CUDA write_slots", lambda: torch.ops.kvprune_cuda.write_slots(key, value, paged, slots),
                       error)
 
@@ -223,7 +158,7 @@ def case_h2o(shapes: Shapes, dtype: torch.dtype, device: str, rows: list) -> Non
     fused()
     slots = (block_table.long()[:, :, None] * shapes.block_size + torch.arange(shapes.block_size, device=device)).reshape(batch, -1)
     got_mass = mass[:, slots].permute(1, 0, 2)  # [B, H, L]
-    error = max(_error(output, expected_output), _error(got_mass, expected_mass))
+    error = max(max_abs_error(output, expected_output), max_abs_error(got_mass, expected_mass))
     case.time("Triton fused (output + mass, one launch)", fused, error)
 
     def separate() -> None:
@@ -266,164 +201,12 @@ def case_head_pages(shapes: Shapes, dtype: torch.dtype, device: str, rows: list)
     head_pages.head_page_attention(query, paged, pages, lengths, scale, output)
     case.time("Triton head-pages (per-head lengths)",
               lambda: head_pages.head_page_attention(query, paged, pages, lengths, scale, output),
-              _error(output, expected), kv_kept=kept)
+              max_abs_error(output, expected), kv_kept=kept)
     rows_of_query = torch.arange(batch, dtype=torch.int32, device=device)
     padded_counts = lengths.max(dim=1).values
     case.time("Triton padded (every head at its request's longest)",
               lambda: triton_mass.attention_mass(query, paged, block_table, rows_of_query, padded_counts, scale, None, output),
               kv_kept=1.0)
-
-
-# ---- fdc ----------------------------------------------------------------------------------------
-def case_fdc(shapes: Shapes, dtype: torch.dtype, device: str, rows: list) -> None:
-    """Batch x seq_len as every case, then few long sequences (batch / 8, 4 x seq_len), where the
-    tasks alone leave multiprocessors idle and splitting the keys (flash-decoding) matters."""
-    _fdc_case("fdc decode", shapes.batch, shapes.seq_len, shapes, dtype, device, rows, every_rank_set=True)
-    _fdc_case("fdc decode, few long", max(1, shapes.batch // 8), 4 * shapes.seq_len, shapes, dtype, device, rows,
-              every_rank_set=False)
-
-
-@dataclass
-class _DecodeInputs:
-    """One decode step's dense queries, keys and values ``[batch, heads, length, dim]`` on the
-    device, the vLLM metadata of its packed caches, and the generator that drew them (cases
-    draw their ranks from it next)."""
-
-    query: torch.Tensor
-    dense_k: torch.Tensor
-    dense_v: torch.Tensor
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    scale: float
-    generator: torch.Generator
-
-    @classmethod
-    def draw(cls, batch: int, length: int, shapes: Shapes, dtype: torch.dtype, device: str, seed: int) -> "_DecodeInputs":
-        generator = torch.Generator().manual_seed(seed)
-        heads, dim = shapes.kv_heads, shapes.head_dim
-        query = torch.randn(batch, heads * shapes.group, dim, generator=generator).to(device, dtype)
-        dense_k = torch.randn(batch, heads, length, dim, generator=generator).to(device, dtype)
-        dense_v = torch.randn(batch, heads, length, dim, generator=generator).to(device, dtype)
-        return cls(query, dense_k, dense_v, torch.arange(batch + 1, dtype=torch.int32, device=device),
-                   torch.full((batch,), length, dtype=torch.int32, device=device), dim ** -0.5, generator)
-
-    def sdpa(self) -> torch.Tensor:
-        """Torch's attention at full width: the baseline and the expected output."""
-        return torch.nn.functional.scaled_dot_product_attention(
-            self.query[:, :, None, :], self.dense_k, self.dense_v, scale=self.scale, enable_gqa=True)[:, :, 0, :]
-
-    def packed(self, k_ranks: list[int], v_ranks: list[int], block_size: int):
-        """(cache, heads on the device, block table): the keys and values cut to the ranks, in a
-        packed FDC cache whose blocks are laid out request after request."""
-        from vllm_kvprune.kernels.reduced_attention import PackedHeads
-
-        batch, heads, length, _ = self.dense_k.shape
-        device, dtype = self.dense_k.device, self.dense_k.dtype
-        layout = PackedHeads.from_ranks(k_ranks, v_ranks)
-        per_request = length // block_size
-        table = torch.arange(batch * per_request, dtype=torch.int32, device=device).view(batch, per_request)
-        cache = torch.empty(batch * per_request, block_size * layout.row_width, dtype=dtype, device=device)
-        _write_packed(cache, layout, torch.arange(batch * length, device=device),
-                      self.dense_k.permute(0, 2, 1, 3).reshape(-1, heads, self.dense_k.shape[-1]),
-                      self.dense_v.permute(0, 2, 1, 3).reshape(-1, heads, self.dense_v.shape[-1]), block_size)
-        on_device = PackedHeads(*(t.to(device) if isinstance(t, torch.Tensor) else t for t in (
-            layout.k_ranks, layout.v_ranks, layout.k_offsets, layout.v_offsets, layout.row_width)))
-        return cache, on_device, table
-
-
-def _fdc_case(name: str, batch: int, length: int, shapes: Shapes, dtype: torch.dtype, device: str, rows: list,
-              every_rank_set: bool) -> None:
-    from vllm_kvprune.kernels.triton import reduced_attention as triton_fdc
-
-    inputs = _DecodeInputs.draw(batch, length, shapes, dtype, device, seed=3)
-    heads, dim, bs = shapes.kv_heads, shapes.head_dim, shapes.block_size
-    multiprocessors = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 4
-    chosen = triton_fdc.choose_key_splits(batch * heads, length, multiprocessors)
-    case = Case(name, device, rows)
-    expected = inputs.sdpa()
-    case.time("torch SDPA, full width", inputs.sdpa, baseline=True, kv_kept=1.0)
-    adaptive = torch.randint(max(dim // 8, 1), dim + 1, (2, heads), generator=inputs.generator)
-    rank_sets = {"full width": ([dim] * heads, [dim] * heads),
-                 "50% dims": ([dim // 2] * heads, [dim // 2] * heads)}
-    if every_rank_set:
-        rank_sets.update({"adaptive ranks": (adaptive[0].tolist(), adaptive[1].tolist()),
-                          "adaptive ranks up to a multiple of 8": ((-(-adaptive[0] // 8) * 8).clamp(max=dim).tolist(),
-                                                                   (-(-adaptive[1] // 8) * 8).clamp(max=dim).tolist())})
-    for label, (k_ranks, v_ranks) in rank_sets.items():
-        cache, device_heads, block_table = inputs.packed(k_ranks, v_ranks, bs)
-        kept = (sum(k_ranks) + sum(v_ranks)) / (2 * heads * dim)
-        # (launch order, key splits, keys token-major): LPT vs natural for adaptive ranks; at full
-        # width and 50% every power-of-two split up to 16, the one choose_key_splits picks
-        # marked; then the GPU layout (keys token-major) unsplit, split 4 and as chosen.
-        variants = [(True, 1, False), (False, 1, False)] if label == "adaptive ranks" else [(True, 1, False)]
-        if label in ("full width", "50% dims"):
-            variants += [(True, splits, False) for splits in (2, 4, 8, 16) if length >= splits * 64]
-            variants += [(True, splits, True) for splits in sorted({1, 4, chosen}) if length >= splits * 64]
-        by_token = triton_fdc.keys_by_token(cache, device_heads, bs) if any(v[2] for v in variants) else None
-        for balanced, splits, token_major in variants:
-            call = lambda balanced=balanced, splits=splits, token_major=token_major: triton_fdc.reduced_attention(  # noqa: E731
-                inputs.query, by_token if token_major else cache, block_table, inputs.query_start_loc,
-                inputs.seq_lens, device_heads, inputs.scale, dim, balanced, bs, key_splits=splits,
-                max_seq_len=length, keys_by_token=token_major)
-            error = _error(call().to(dtype), expected) if label == "full width" else None
-            schedule = "" if label != "adaptive ranks" else (", LPT order" if balanced else ", natural order")
-            split_label = "" if splits == 1 else f", {splits} key splits" + (" (chosen)" if splits == chosen else "")
-            layout = ", keys token-major" if token_major else ""
-            case.time(f"Triton reduced, {label}{schedule}{split_label}{layout}", call, error, kv_kept=kept,
-                      key_splits=splits, keys_by_token=token_major)
-
-
-def case_fdc_tiles(shapes: Shapes, dtype: torch.dtype, device: str, rows: list) -> None:
-    """Not in the default run: a sweep of the fdc decode kernel's tiles (keys per step, warps,
-    pipeline stages), key splits and cache block sizes, at 50% dims and full width, for both
-    fdc shapes; each row against SDPA at full width on the same inputs."""
-    import itertools
-
-    from vllm_kvprune.kernels.triton import reduced_attention as triton_fdc
-
-    heads, dim = shapes.kv_heads, shapes.head_dim
-    tiny = shapes is TINY
-    # Key splits fixed per shape (none at batch 32, 4 for the few long: the best of the fdc case).
-    for batch, length, splits in ((shapes.batch, shapes.seq_len, 1), (max(1, shapes.batch // 8), 4 * shapes.seq_len, 4)):
-        inputs = _DecodeInputs.draw(batch, length, shapes, dtype, device, seed=5)
-        case = Case(f"fdc tiles, batch {batch} x {length} keys", device, rows)
-        expected = inputs.sdpa()
-        case.time("torch SDPA, full width", inputs.sdpa, baseline=True)
-        for block_size, width in itertools.product((16,) if tiny else (16, 64), (dim, dim // 2)):
-            cache, on_device, table = inputs.packed([width] * heads, [width] * heads, block_size)
-            token_major = triton_fdc.keys_by_token(cache, on_device, block_size)
-            grid = [(block_n, warps, stages, False) for block_n, warps, stages in
-                    itertools.product((64, 128), (4, 8), (2, 3, 4))]
-            grid += [(block_n, warps, stages, True) for block_n, warps, stages in
-                     itertools.product((64, 128), (4, 8), (2, 3))]
-            for block_n, warps, stages, by_token in (grid if not tiny else [(32, 4, 2, False), (32, 4, 2, True)]):
-                triton_fdc._TILE_OVERRIDE.update(block_n=block_n, num_warps=warps, num_stages=stages)
-                try:
-                    call = lambda by_token=by_token: triton_fdc.reduced_attention(  # noqa: E731
-                        inputs.query, token_major if by_token else cache, table, inputs.query_start_loc,
-                        inputs.seq_lens, on_device, inputs.scale, dim, True, block_size, key_splits=splits,
-                        max_seq_len=length, keys_by_token=by_token)
-                    error = _error(call().to(dtype), expected) if width == dim else None
-                    case.time(f"{'full width' if width == dim else '50% dims'}, block {block_size}, "
-                              f"{block_n} keys/step, {warps} warps, {stages} stages, {splits} splits"
-                              + (", keys token-major" if by_token else ""), call, error,
-                              kv_kept=width / dim, block_n=block_n, num_warps=warps, num_stages=stages,
-                              key_splits=splits, block_size=block_size, keys_by_token=by_token)
-                except Exception as failure:  # noqa: BLE001  (a tile that does not compile: say so, go on)
-                    print(f"  skipped {block_n}/{warps}/{stages}/{by_token}: {type(failure).__name__}: {failure}"[:300])
-                finally:
-                    triton_fdc._TILE_OVERRIDE.clear()
-
-
-def _write_packed(cache, packed, slots, key, value, block_size) -> None:
-    """Keys and values `[n, H, D]` into a packed FDC cache, on the cache's device (the same
-    element positions as `PackedHeads.write`, which builds them on CPU)."""
-    keys, values, _ = packed._positions(slots.cpu(), block_size, cache.shape[1])
-    flat = cache.view(-1)
-    flat[keys.reshape(-1).to(cache.device)] = torch.cat(
-        [key[:, h, : int(r)] for h, r in enumerate(packed.k_ranks)], 1).reshape(-1).to(cache.dtype)
-    flat[values.reshape(-1).to(cache.device)] = torch.cat(
-        [value[:, h, : int(r)] for h, r in enumerate(packed.v_ranks)], 1).reshape(-1).to(cache.dtype)
 
 
 # ---- paged_eviction, gvote -------------------------------------------------------------------------
@@ -448,7 +231,7 @@ def case_paged_eviction(shapes: Shapes, dtype: torch.dtype, device: str, rows: l
     scores_row.zero_()
     block_scores.store_token_scores(key, value, scores_row, slots)
     case.time("Triton fused", lambda: block_scores.store_token_scores(key, value, scores_row, slots, check_range=False),
-              _error(scores_row[slots], expected))
+              max_abs_error(scores_row[slots], expected))
     by_slot = torch.rand(shapes.layers, num_slots, generator=generator).to(device)
     block_ids = torch.randperm(num_slots // bs, generator=generator).to(device)
     divisor = float(bs * heads)
@@ -460,7 +243,7 @@ def case_paged_eviction(shapes: Shapes, dtype: torch.dtype, device: str, rows: l
     expected = torch_means()
     case.time("torch (gather, sum)", torch_means, baseline=True)
     case.time("Triton", lambda: block_scores.block_means(by_slot, block_ids, bs, divisor, check_range=False),
-              _error(block_scores.block_means(by_slot, block_ids, bs, divisor), expected))
+              max_abs_error(block_scores.block_means(by_slot, block_ids, bs, divisor), expected))
 
 
 def case_gvote(shapes: Shapes, dtype: torch.dtype, device: str, rows: list) -> None:
@@ -487,6 +270,7 @@ CASES: dict[str, Callable[..., None]] = {
     "h2o": case_h2o,
     "head-pages": case_head_pages,
     "fdc": case_fdc,
+    "fdc-layer": case_fdc_layer,
     "paged-eviction": case_paged_eviction,
     "gvote": case_gvote,
 }
@@ -525,7 +309,7 @@ def machine(device: str, module: str = "vllm_kvprune.bench.gpu_kernels", name: s
 def run(args: argparse.Namespace) -> int:
     import json
 
-    device = _device()
+    device = bench_device()
     shapes = TINY if args.tiny or device == "cpu" else FULL
     dtype = getattr(torch, args.dtype)
     rows: list[dict[str, Any]] = []

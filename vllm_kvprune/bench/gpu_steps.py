@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_kvprune.bench.gpu_kernels import _device, gpu_slug, machine
+from vllm_kvprune.bench.gpu_kernels import gpu_slug, machine
+from vllm_kvprune.bench.gpu_timing import bench_device
 from vllm_kvprune.worker.policy_attention import PolicyAttentionImpl
 
 NAME = "gpu-steps"
@@ -216,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
     from vllm_kvprune import vllm_hooks
     from vllm_kvprune.worker import runtime
 
-    device = _device()
+    device = bench_device()
     shapes = TINY if args.tiny or device == "cpu" else FULL
     dtype = getattr(torch, args.dtype) if device == "cuda" else torch.float32
     # One process, no tensor parallelism (and no vLLM): the all-reduce of block scores is the identity.

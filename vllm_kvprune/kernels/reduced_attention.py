@@ -56,7 +56,7 @@ class PackedHeads:
     def num_heads(self) -> int:
         return int(self.k_ranks.shape[0])
 
-    def _columns(self, block_size: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
+    def columns(self, block_size: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
         """Per packed column, made once per block size and device and kept: each key column's
         head and dim, its offset in a block (``block_size * (k_offset + dim)``, or token-major
         ``block_size * k_offset + dim``) and token stride (1, or token-major its head's
@@ -90,7 +90,7 @@ class PackedHeads:
         slots = slots.long()
         base = (slots // block_size) * block_stride
         within = slots % block_size
-        key_heads, _, key_columns, key_strides, _, _, value_columns, value_strides = self._columns(block_size,
+        key_heads, _, key_columns, key_strides, _, _, value_columns, value_strides = self.columns(block_size,
                                                                                                   slots.device)
         keys = base[:, None] + key_columns[None, :] + within[:, None] * key_strides[None, :]
         values = base[:, None] + value_columns[None, :] + within[:, None] * value_strides[None, :]
@@ -109,7 +109,7 @@ class PackedHeads:
         block_size = self.block_size_of(kv_cache, block_size)
         keys, values, _ = self._positions(slots.to(kv_cache.device), block_size, kv_cache.shape[1])
         flat = kv_cache.view(-1)
-        key_heads, key_dims, _, _, value_heads, value_dims, _, _ = self._columns(block_size, kv_cache.device)
+        key_heads, key_dims, _, _, value_heads, value_dims, _, _ = self.columns(block_size, kv_cache.device)
         flat[keys.reshape(-1)] = key[:, key_heads, key_dims].reshape(-1).to(flat.dtype)
         flat[values.reshape(-1)] = value[:, value_heads, value_dims].reshape(-1).to(flat.dtype)
 

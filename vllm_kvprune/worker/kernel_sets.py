@@ -61,6 +61,16 @@ class KernelSet:
         """FDC's attention over its packed narrow cache; `kernels.reduced_attention`'s arguments."""
         raise NotImplementedError
 
+    def write_narrow(self, heads, cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor,
+                     values: torch.Tensor, block_size: int) -> None:
+        """FDC's reduced keys/values `[n, H, >= rank]` into the packed cache `[num_blocks,
+        values]` at `slots` `[n]` (`PackedHeads.write`'s arguments), skipping slot -1. Here
+        the real rows are found first, which on a GPU would be a sync per layer."""
+        real = slots >= 0
+        if not bool(real.all()):
+            keys, values, slots = keys[real], values[real], slots[real]
+        heads.write(cache, slots, keys, values, block_size=block_size)
+
 
 class CPUKernels(KernelSet):
     """The C++ ops over the layout of vLLM's CPU kernel for the layer's ISA."""
@@ -149,3 +159,9 @@ class TritonKernels(KernelSet):
                                                    self._on(kv_cache, query_start_loc), self._on(kv_cache, seq_lens),
                                                    heads, scale, output_width, block_size=block_size,
                                                    keys_by_token=heads.keys_by_token)
+
+    def write_narrow(self, heads, cache, slots, keys, values, block_size) -> None:
+        # One launch that skips slot -1 in the kernel: no host read of the slots per layer.
+        from vllm_kvprune.kernels.triton import packed_slots
+
+        packed_slots.write_packed(heads, cache, self._on(cache, slots), keys, values, block_size)

@@ -167,13 +167,12 @@ class PolicyAttentionImpl:
         if plan is not None and plan.pre_moves is not None:
             self._copy_slots(layer, kv_cache, *plan.pre_moves)
         scored = plan is not None and plan.layer_slot_mapping is not None
+        # vLLM's slot mapping may hold -1 (a padded batch), which the kernel set's narrow write
+        # skips; a block policy's own slots are all real (its planner gives every token one).
         slots = plan.layer_slot_mapping[layer_index] if scored else slot_mapping
         num_tokens = len(slots)
-        key, value = key[:num_tokens], value[:num_tokens]
-        real = slots >= 0  # vLLM pads a batch with slot -1
-        if not bool(real.all()):
-            key, value, slots = key[real], value[real], slots[real]
-        reduced_keys, reduced_values = narrow.write(layer_index, key, value, kv_cache, slots, _block_size(kv_cache))
+        reduced_keys, reduced_values = narrow.write(layer_index, key[:num_tokens], value[:num_tokens], kv_cache,
+                                                    slots, _block_size(kv_cache), writer=self.kernels.write_narrow)
         if scored:
             worker_state = runtime.worker_state()
             worker_state.scores.by_slot[layer_index, slots] = worker_state.policy.token_scores(reduced_keys,
