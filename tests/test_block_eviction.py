@@ -138,3 +138,74 @@ def test_budget_must_leave_an_evictable_block(budget, sinks, recent, message):
     # With nothing protected one block is enough to evict from.
     KVPolicyConfig.from_dict({"name": "paged_eviction", "budget": BLOCK_SIZE, "sinks": 0, "recent": 0}).check_engine(
         BLOCK_SIZE)
+
+
+def test_block_means_of_many_requests_equal_each_alone():
+    """One gather for several requests' blocks (`LayerScores.block_means_many`) gives each the
+    very numbers its own read gives: ragged block counts, each layer its own order."""
+    state = worker()
+    generator = torch.Generator().manual_seed(4)
+    state.scores.by_slot.copy_(torch.rand(state.scores.by_slot.shape, generator=generator))
+    block_ids = [np.array([[7, 3, 11], [3, 11, 7]]), np.array([[2, 9], [9, 2]]), np.array([[0, 5, 1, 4]] * 2)]
+    together = state.scores.block_means_many(block_ids)
+    for ids, means in zip(block_ids, together):
+        assert torch.equal(means, state.scores.block_means(ids))
+        per_block = state.scores.by_slot.view(len(LAYERS), -1, BLOCK_SIZE)
+        expected = torch.stack([per_block[layer, torch.from_numpy(ids[layer])].mean(dim=-1) / HEADS
+                                for layer in range(len(LAYERS))])
+        torch.testing.assert_close(means, expected)
+
+
+@pytest.mark.parametrize("joint", [True, False])
+def test_the_step_reads_its_evicting_requests_block_means_together(monkeypatch, joint):
+    """Decode steps of three requests: the planner reads every evicting row's block means in
+    one call before planning the rows (`BlockPlanner.search_ahead`), and each request drops
+    exactly the blocks it drops alone (and when the joint read fails, `joint=False`, every
+    row reads its own and nothing fails)."""
+    from vllm_kvprune.worker.state import LayerScores
+
+    calls = {"many": 0, "alone": 0}
+    many = LayerScores.block_means_many
+
+    def count_many(self, block_ids):
+        calls["many"] += 1
+        if not joint:
+            raise RuntimeError("the joint read failed")
+        return many(self, block_ids)
+
+    def count_alone(self, block_ids):
+        calls["alone"] += 1
+        return many(self, [block_ids])[0]
+
+    block_rows = np.array([[7, 3, 11, 5, 0], [2, 9, 14, 12, 1], [4, 6, 8, 10, 13]], np.int32)
+    prompts, steps = np.array([128, 128, 96]), 40
+    inputs = [[kv_with_weak_block(int(p) + steps, weak, seed=10 * i + layer) for layer, weak in enumerate((2, 1))]
+              for i, p in enumerate(prompts)]
+
+    def run(request_ids: list[int], counted: bool) -> dict[int, np.ndarray]:
+        state = worker()
+        if counted:
+            monkeypatch.setattr(LayerScores, "block_means_many", count_many)
+            monkeypatch.setattr(LayerScores, "block_means", count_alone)
+        else:
+            monkeypatch.setattr(LayerScores, "block_means_many", many)
+            monkeypatch.setattr(LayerScores, "block_means", lambda self, ids: many(self, [ids])[0])
+        for offset in range(-1, steps):
+            computed = np.array([0 if offset < 0 else prompts[i] + offset for i in request_ids])
+            new = np.array([prompts[i] if offset < 0 else 1 for i in request_ids])
+            state.rows = StepRows([str(i) for i in request_ids], computed, prompts[request_ids],
+                                  block_rows[request_ids], [None] * len(request_ids))
+            plan = state.plan(np.concatenate([[0], np.cumsum(new)]), BLOCK_SIZE)
+            for layer in range(len(LAYERS)):
+                keys, values = (torch.cat([inputs[i][layer][part][c:c + n] for i, c, n in zip(request_ids, computed, new)])
+                                for part in range(2))
+                state.scores.by_slot[layer, plan.layer_slot_mapping[layer]] = state.policy.token_scores(keys, values)
+        for i in request_ids:
+            state.requests[str(i)].blocks.check()
+        return {i: state.requests[str(i)].blocks.logical.copy() for i in request_ids}
+
+    kept = run([0, 1, 2], counted=True)
+    # "0" and "1" (full at 128) evict at their first token and 32 later; "2" (96) once full, with them.
+    assert calls["many"] == 2 and calls["alone"] == (0 if joint else 5)
+    for i in range(3):
+        assert np.array_equal(kept[i], run([i], counted=False)[i])

@@ -17,7 +17,8 @@ from vllm_kvprune.vllm_hooks import HOOKS, Hook
 PACKAGE = Path(vllm_hooks.__file__).parent
 # Modules of the plugin that run inside vLLM; the benchmarks, references, asset builders and the
 # Ray batch job use vLLM's public API (LLM, SamplingParams) or none.
-OUTSIDE_THE_PLUGIN = ("bench", "reference", "assets.py", "model_zoo.py", "cli.py", "batch.py", "vllm_hooks.py")
+OUTSIDE_THE_PLUGIN = ("bench", "reference", "assets.py", "model_zoo.py", "cli.py", "batch.py", "vllm_hooks.py",
+                      "vllm_hooks_rope.py")
 PUBLIC_VLLM = ("vllm.exceptions", "vllm.platforms")
 
 

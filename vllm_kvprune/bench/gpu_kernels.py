@@ -13,6 +13,9 @@ torch on one GPU, at decode shapes (batch 32), each case checked against torch b
   width vs torch's ``scaled_dot_product_attention`` at full width; LPT vs natural task order;
   the keys of each task split over 2-16 programs (flash-decoding), at batch 32 and for a few
   long sequences (batch / 8 at 4 x the length).
+* fdc-layer: one layer's FDC decode step as the GPU wrapper runs it, part by part (the narrow
+  write, torch indexing vs the Triton writer; the four projections; the reduced attention) and
+  whole: where its time goes (`gpu_kernels_fdc.py`, with the fdc cases).
 * paged-eviction: token scores at write time and block means vs the torch expressions.
 * gvote: the vote (union of synthetic queries' top-budget keys) vs ``GVotePolicy.keep_mask``.
 

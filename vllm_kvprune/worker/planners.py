@@ -210,16 +210,42 @@ class BlockPlanner(RowPlanner):
         self.layer_slots: list[np.ndarray] = []
         self.block_orders: list[tuple[int, np.ndarray]] = []
         self.prefill_compactions: list[PrefillCompaction] = []
+        # Block means read for the step's evicting rows together (`search_ahead`), by request:
+        # (the blocks read, their means); a row whose blocks differ reads its own.
+        self.means_ahead: dict[str, tuple[bytes, torch.Tensor]] = {}
 
     @classmethod
     def attach_map(cls, state: RequestKVState, scores: Any) -> None:
         state.blocks = LayerBlockMap(scores.num_layers, scores.block_size)
 
+    def search_ahead(self, rows: list[Row]) -> None:
+        """The block means of every row that evicts in decode this step, read in one go (on a
+        GPU's table: one gather and one copy back, not one per request)."""
+        evicting = [row for row in rows if self._evicts_in_decode(row)]
+        if not evicting:
+            return
+        block_ids = [row.block_row[row.state.blocks.order] for row in evicting]
+        for row, ids, means in zip(evicting, block_ids, self.scores.block_means_many(block_ids)):
+            self.means_ahead[row.state.request_id] = (ids.tobytes(), means)
+
+    def _evicts_in_decode(self, row: Row) -> bool:
+        """Whether this decode row evicts blocks before its token is written (the one test
+        `add` and `search_ahead` share)."""
+        config, blocks = row.state.config, row.state.blocks
+        return row.decoding() and blocks.tail_full and not blocks.free.shape[1] \
+            and blocks.order.shape[1] >= config.cap_blocks(self.block_size)
+
+    def _block_means(self, row: Row) -> torch.Tensor:
+        block_ids = row.block_row[row.state.blocks.order]
+        ahead = self.means_ahead.get(row.state.request_id)
+        if ahead is not None and ahead[0] == block_ids.tobytes():
+            return ahead[1]
+        return self.scores.block_means(block_ids)
+
     def add(self, row: Row) -> None:
         state, config, blocks = row.state, row.state.config, row.state.blocks
-        if row.decoding() and blocks.tail_full and not blocks.free.shape[1] \
-                and blocks.order.shape[1] >= config.cap_blocks(self.block_size):
-            means = self.scores.block_means(row.block_row[blocks.order])
+        if self._evicts_in_decode(row):
+            means = self._block_means(row)
             victims = state.policy.victim_blocks(means, config.prune_interval, config, self.block_size)
             blocks.evict(victims.numpy())
         local = blocks.append(row.positions)

@@ -104,10 +104,18 @@ class LayerScores:
         """Mean token score (over this and every other tensor-parallel rank's heads) of
         each layer's blocks `[layers, n]`; every rank gets the same numbers, so every rank
         drops the same blocks."""
+        return self.block_means_many([block_ids])[0]
+
+    def block_means_many(self, block_ids: list[np.ndarray]) -> list[torch.Tensor]:
+        """`block_means` of several requests' blocks at once: one gather where the table is,
+        one sum over ranks and one copy to the host for the lot (on a GPU, one sync a step
+        instead of one per evicting request)."""
         per_block = self.by_slot.view(self.num_layers, -1, self.block_size)
-        layers = torch.arange(self.num_layers)[:, None]
-        sums = per_block[layers, torch.from_numpy(block_ids)].sum(dim=-1)
-        return (_sum_over_ranks(sums) / (self.block_size * self.total_kv_heads)).cpu()
+        layers = torch.arange(self.num_layers, device=per_block.device)[:, None]
+        together = torch.from_numpy(np.concatenate(block_ids, axis=1)).to(per_block.device, non_blocking=True)
+        sums = per_block[layers, together].sum(dim=-1)
+        means = (_sum_over_ranks(sums) / (self.block_size * self.total_kv_heads)).cpu()
+        return list(torch.split(means, [ids.shape[1] for ids in block_ids], dim=1))
 
     def token_means(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """Mean token score of `slots` in `layer`, on the host (where choices are made)."""

@@ -27,6 +27,20 @@ _BLOCK_COLUMNS = 128
 
 
 @triton.jit
+def _store_columns(source_ptr, cache_ptr, token, base, within, columns, num_columns,
+                   heads_ptr, dims_ptr, offsets_ptr, strides_ptr, stride_t, stride_h):
+    """Token `token`'s elements of the packed `columns` (keys' or values') from `source` into
+    the block at `base`, row `within`."""
+    ok = columns < num_columns
+    heads = tl.load(heads_ptr + columns, mask=ok, other=0)
+    dims = tl.load(dims_ptr + columns, mask=ok, other=0)
+    offsets = tl.load(offsets_ptr + columns, mask=ok, other=0)
+    strides = tl.load(strides_ptr + columns, mask=ok, other=0)
+    elements = tl.load(source_ptr + token * stride_t + heads * stride_h + dims, mask=ok)
+    tl.store(cache_ptr + base + offsets + within * strides, elements, mask=ok)
+
+
+@triton.jit
 def _write_packed_kernel(
     key_ptr, value_ptr, cache_ptr, slots_ptr,
     key_heads_ptr, key_dims_ptr, key_columns_ptr, key_strides_ptr, num_key_columns,
@@ -42,23 +56,11 @@ def _write_packed_kernel(
         base = (slot // block_size) * block_stride
         within = slot % block_size
         columns = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-
-        key_ok = columns < num_key_columns
-        heads = tl.load(key_heads_ptr + columns, mask=key_ok, other=0)
-        dims = tl.load(key_dims_ptr + columns, mask=key_ok, other=0)
-        offsets = tl.load(key_columns_ptr + columns, mask=key_ok, other=0)
-        strides = tl.load(key_strides_ptr + columns, mask=key_ok, other=0)
-        keys = tl.load(key_ptr + token * key_stride_t + heads * key_stride_h + dims, mask=key_ok)
-        tl.store(cache_ptr + base + offsets + within * strides, keys, mask=key_ok)
-
-        value_ok = columns < num_value_columns
-        heads = tl.load(value_heads_ptr + columns, mask=value_ok, other=0)
-        dims = tl.load(value_dims_ptr + columns, mask=value_ok, other=0)
-        offsets = tl.load(value_columns_ptr + columns, mask=value_ok, other=0)
-        strides = tl.load(value_strides_ptr + columns, mask=value_ok, other=0)
-        values = tl.load(value_ptr + token * value_stride_t + heads * value_stride_h + dims, mask=value_ok)
-        tl.store(cache_ptr + base + offsets + within * strides, values,
-                 mask=value_ok)
+        _store_columns(key_ptr, cache_ptr, token, base, within, columns, num_key_columns,
+                       key_heads_ptr, key_dims_ptr, key_columns_ptr, key_strides_ptr, key_stride_t, key_stride_h)
+        _store_columns(value_ptr, cache_ptr, token, base, within, columns, num_value_columns,
+                       value_heads_ptr, value_dims_ptr, value_columns_ptr, value_strides_ptr, value_stride_t,
+                       value_stride_h)
 
 
 def write_packed(heads, kv_cache: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
