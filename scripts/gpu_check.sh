@@ -27,6 +27,13 @@ TAG=$($PYTHON -c "import torch; from vllm_kvprune.bench.gpu_kernels import gpu_s
 print(gpu_slug('cuda' if torch.cuda.is_available() else 'cpu'))" 2>/dev/null || echo unknown)
 summary=()
 
+describe_machine() {  # fails where there is no NVIDIA GPU, after saying what there is
+  $PYTHON -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "cuda", torch.version.cuda)'
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+}
+export -f describe_machine
+export PYTHON
+
 run_stage() {  # name, seconds, log file, command...
   local name=$1 seconds=$2 log=$3
   shift 3
@@ -41,9 +48,7 @@ run_stage() {  # name, seconds, log file, command...
 for stage in "${stages[@]}"; do
   case $stage in
     env)
-      run_stage env 60 "$OUT/env_$TAG.txt" bash -c \
-        "nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; \
-         $PYTHON -c 'import torch, triton; print(\"torch\", torch.__version__, \"triton\", triton.__version__, \"cuda\", torch.version.cuda)'" ;;
+      run_stage env 60 "$OUT/env_$TAG.txt" bash -c describe_machine ;;
     build)
       run_stage build 300 "$OUT/build_$TAG.txt" env MAX_JOBS=${MAX_JOBS:-16} $PYTHON setup.py build_ext --inplace ;;
     tests)

@@ -27,6 +27,12 @@ RUNNER = Path(__file__).with_name("gpu_wrapper_run.py")
 SINKS = 4
 
 
+def zoo_model_dir(architecture: str) -> str:
+    from vllm_kvprune.model_zoo import zoo_model_dir
+
+    return str(zoo_model_dir(architecture))
+
+
 def policy_cases(model: str) -> dict[str, dict]:
     """One engine per policy the GPU wrapper runs, each with requests that evict in decode
     and prune their prompt (gvote and fdc on the HND layout they ask for). Few tokens: vLLM's
@@ -61,6 +67,10 @@ def policy_cases(model: str) -> dict[str, dict]:
         # after its last chunk and the window slid in decode, narrow tokens moved on the device.
         "streaming_fdc": case({"name": "streaming", "budget": 48, "sinks": SINKS, "prefill": "full", "fdc": None},
                               (60, 30), [{}, {}], 24),
+        # Beyond the Llama family: Qwen3 (q/k norms before RoPE, GQA, head size 64) with h2o's
+        # fused kernel and per-head moves.
+        "h2o_qwen3": {**case({"name": "h2o", "budget": 64, "sinks": SINKS, "prune_interval": 1},
+                             (20, 150), [{}, {"kv_prune_interval": 4}], 24), "model": zoo_model_dir("qwen3")},
     }
 
 
@@ -126,7 +136,7 @@ def wrapper_runs(tiny_model, fdc_calibration, tmp_path_factory):
 
 # The policies whose cache write and attention go through vLLM's backend, and fdc (its narrow
 # cache is written and attended by our kernels alone, but its narrowed spec meets FA's builder).
-FLASH_CASES = ("streaming", "h2o", "paged_eviction", "gvote", "fdc")
+FLASH_CASES = ("streaming", "h2o", "paged_eviction", "gvote", "fdc", "h2o_qwen3")
 
 
 @pytest.fixture(scope="module")
@@ -137,13 +147,14 @@ def flash_runs(tiny_model, fdc_calibration, tmp_path_factory):
                                if name in FLASH_CASES}, path)
     # h2o's decode runs our fused kernel on either backend (interpreted: 1 s a token here);
     # FA's part is its prompt, so fewer decode tokens (still evicting every step).
-    cases["h2o"]["max_tokens"] = 12
+    cases["h2o"]["max_tokens"] = cases["h2o_qwen3"]["max_tokens"] = 12
     return cases, _run_engines(cases, tmp_path_factory.mktemp("flash_wrapper"), "FLASH_ATTN"), calibrated
 
 
 # Seconds each case's engine takes in the interpreter on a 2-core CI machine (one core each;
 # 2026-11-27), to split the cases evenly over the machine's cores. Only the balance depends on it.
-CASE_SECONDS = {"streaming": 87, "h2o": 42, "paged_eviction": 105, "gvote": 31, "fdc": 6, "streaming_fdc": 9}
+CASE_SECONDS = {"streaming": 87, "h2o": 42, "paged_eviction": 105, "gvote": 31, "fdc": 6, "streaming_fdc": 9,
+                "h2o_qwen3": 40}
 
 
 def _split(names: list[str], parts: int) -> list[list[str]]:
@@ -186,6 +197,13 @@ def _run_engines(cases: dict, folder: Path, backend: str) -> dict:
     return runs
 
 
+def _own_reference_model(model: str):
+    """A case on another architecture: the reference runs that model's own weights."""
+    from vllm_kvprune.reference.model import load_reference_model
+
+    return load_reference_model(model)
+
+
 def _assert_matches_the_reference(reference_model, name: str, case: dict, run: dict, calibrated=None) -> None:
     for request, got in zip(case["requests"], run["results"]):
         prompt, override = request["prompt"], request["extra_args"] or {}
@@ -198,10 +216,13 @@ def _assert_matches_the_reference(reference_model, name: str, case: dict, run: d
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["streaming", "h2o", "paged_eviction", "gvote", "fdc", "streaming_fdc"])
-def test_policy_on_the_gpu_wrapper_matches_the_reference(wrapper_runs, reference_model, name):
+@pytest.mark.parametrize("name", ["streaming", "h2o", "paged_eviction", "gvote", "fdc", "streaming_fdc",
+                                  "h2o_qwen3"])
+def test_policy_on_the_gpu_wrapper_matches_the_reference(wrapper_runs, reference_model, tiny_model, name):
     cases, runs, calibrated = wrapper_runs
     case, run = cases[name], runs[name]
+    if case["model"] != tiny_model:
+        reference_model = _own_reference_model(case["model"])
     assert "error" not in run, run.get("error")
     assert run["impls"] == ["KVPruneTritonImpl"]
     assert run["hnd"] == (name in ("gvote", "fdc", "streaming_fdc")), "head-pages, FDC's rows need HND; others NHD"
@@ -212,9 +233,11 @@ def test_policy_on_the_gpu_wrapper_matches_the_reference(wrapper_runs, reference
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", FLASH_CASES)
-def test_policy_on_the_flash_attention_wrapper_matches_the_reference(flash_runs, reference_model, name):
+def test_policy_on_the_flash_attention_wrapper_matches_the_reference(flash_runs, reference_model, tiny_model, name):
     cases, runs, calibrated = flash_runs
     case, run = cases[name], runs[name]
+    if case["model"] != tiny_model:
+        reference_model = _own_reference_model(case["model"])
     assert "error" not in run, run.get("error")
     assert run["impls"] == ["KVPruneFlashImpl"]
     assert run["hnd"] == (name in ("gvote", "fdc")), "head-pages, FDC's rows need HND; others NHD"
