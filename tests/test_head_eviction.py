@@ -54,14 +54,16 @@ def test_evicts_lowest_mass_outside_sinks_and_recent_oldest_first_on_ties():
 
 @pytest.mark.skipif(not kernels.HAS_EXTENSION and os.environ.get("VLLM_KVPRUNE_NO_EXT") == "1",
                     reason="built with VLLM_KVPRUNE_NO_EXT=1")
+@pytest.mark.parametrize("n, table_slots", [(200, 1024), (1500, 4096)], ids=["one-task", "split-over-threads"])
 @pytest.mark.parametrize("count", [1, 3, 8])
-def test_victim_kernel_equals_torch_reference(count):
+def test_victim_kernel_equals_torch_reference(count, n, table_slots):
     """Random masses with many exact ties, slots scattered in a larger table, positions
-    permuted per head (as after in-place replacements), a strided positions view."""
+    permuted per head (as after in-place replacements), a strided positions view; with 1500
+    slots the op splits the (layer, head) pairs over threads."""
     from vllm_kvprune.kernels import reference
 
     gen = torch.Generator().manual_seed(count)
-    layers, heads, n, table_slots = 5, 3, 200, 1024
+    layers, heads = 5, 3
     mass = (torch.randint(0, 20, (layers, heads, table_slots), generator=gen) / 4.0).float()
     slots = torch.randperm(table_slots, generator=gen)[:n]
     held = torch.stack([torch.randperm(n + 50, generator=gen)[:n] for _ in range(layers * heads)])
@@ -73,6 +75,18 @@ def test_victim_kernel_equals_torch_reference(count):
     assert torch.equal(kernels.lowest_mass_slots(mass, slots, logical, *args), expected)
     chosen = logical.gather(-1, expected)
     assert ((chosen >= 4) & (chosen < 210)).all(), "a sink or a recent token was chosen"
+
+
+@pytest.mark.skipif(not kernels.HAS_EXTENSION, reason="built with VLLM_KVPRUNE_NO_EXT=1")
+def test_victim_kernel_split_over_threads_fails_for_a_head_with_too_few_tokens():
+    """A head in the middle of the op's split (more than one thread's share of its
+    (layer, head) pairs) with nothing evictable: the op raises, naming it, in the caller."""
+    layers, heads, n = 4, 4, 2000
+    mass = torch.rand(layers, heads, n)
+    logical = torch.arange(n).expand(layers, heads, n).clone()
+    logical[2, 1] = torch.arange(n) % 4  # every token a sink
+    with pytest.raises(RuntimeError, match="layer 2 head 1 has 0 evictable tokens"):
+        kernels.lowest_mass_slots(mass, torch.arange(n), logical, 1, n, 4, 0)
 
 
 def test_one_search_for_many_requests_chooses_as_each_alone():

@@ -8,6 +8,11 @@ fused decode path). SmolLM2-135M's attention shape by default (3 KV heads, 3 que
 each, head 64), the cache layout vLLM picks here for each dtype, block 32. Median of
 `--repeats` calls after one warm-up call; nothing else runs in the process.
 
+Then what a decode step of `--batch` requests does with the mass: each request's victims
+(`kernels.lowest_mass_slots_many`, the C++ op request by request, over `--layers` layers of
+`--held` slots each) on one thread and on all of them, and the alternative a GPU takes (torch
+ranking every request at once, `kernels.victims.lowest_mass_slots_batched`) on CPU tensors.
+
 The kernel's vector code is chosen when the extension is built (AVX-512, AVX2 or portable
 loops): the JSON records the build's ISA, so two builds of one machine compare by running
 this once with each (`VLLM_KVPRUNE_CPU_ISA=avx2 pip install --no-build-isolation -e .`).
@@ -35,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--block-size", type=int, default=32)
     add("--repeats", type=int, default=9)
     add("--threads", type=int, default=None, help="torch threads (default: usable cores)")
+    add("--layers", type=int, default=30, help="layers of the victim search's mass table")
+    add("--held", type=int, default=512, help="slots each request holds in the victim search")
     add("--out", default="results/attention_mass.json", help="JSON path; the plot goes next to it")
 
 
@@ -69,6 +76,42 @@ def _case(args: argparse.Namespace, dtype_name: str, prefill: bool):
     return call, layout
 
 
+def _victim_cases(args: argparse.Namespace) -> dict[str, Any]:
+    """The victim search of one decode step, three ways, as closures over one table."""
+    import numpy as np
+    import torch
+
+    from vllm_kvprune import kernels
+    from vllm_kvprune.kernels.victims import VictimSearch, lowest_mass_slots_batched
+
+    generator = torch.Generator().manual_seed(1)
+    rng = np.random.default_rng(1)
+    per_request = args.held + args.block_size  # each request's blocks, the table scattered over them
+    mass = torch.rand(args.layers, args.kv_heads, args.batch * per_request, generator=generator)
+    searches = []
+    for row in range(args.batch):
+        positions = np.stack([[rng.permutation(args.held + 64)[: args.held] for _ in range(args.kv_heads)]
+                              for _ in range(args.layers)])
+        slots = torch.arange(row * per_request, row * per_request + args.held)
+        searches.append(VictimSearch(slots, positions, 1, args.held + 64, 4, 32))
+    threads = torch.get_num_threads()
+
+    def on_threads(count: int):
+        def call() -> None:
+            torch.set_num_threads(count)
+            try:
+                kernels.lowest_mass_slots_many(mass, searches)
+            finally:
+                torch.set_num_threads(threads)
+        return call
+
+    cases = {"victims, C++ op per request, 1 thread": on_threads(1)}
+    if threads > 1:
+        cases[f"victims, C++ op per request, {threads} threads"] = on_threads(threads)
+    cases["victims, torch ranking all requests at once"] = lambda: lowest_mass_slots_batched(mass, searches)
+    return cases
+
+
 def table(results: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     """Headers and one row per timed case (the printed table and the results page's)."""
     headers = ["case", "dtype", "queries x keys", "cache layout", "median ms", "p25-p75 ms"]
@@ -92,6 +135,11 @@ def run(args: argparse.Namespace) -> int:
                             "keys": args.prompt_tokens if prefill else args.keys,
                             "cache_layout": layout.isa, "median_ms": timing["median"] / 1000,
                             "p25_ms": timing["p25"] / 1000, "p75_ms": timing["p75"] / 1000})
+    for case, call in _victim_cases(args).items():
+        timing = common.time_round_robin({"victims": call}, warmup=1, repeats=args.repeats)["victims"]
+        results.append({"case": case, "dtype": "float32", "queries": args.batch, "keys": args.held,
+                        "cache_layout": f"{args.layers} layers x {args.kv_heads} heads", "median_ms": timing["median"] / 1000,
+                        "p25_ms": timing["p25"] / 1000, "p75_ms": timing["p75"] / 1000})
     isa = kernels.extension_isa() or "torch fallback (no extension)"
     common.print_table(*table(results))
     print(f"extension built for: {isa}; {torch.get_num_threads()} threads")

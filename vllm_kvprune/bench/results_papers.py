@@ -210,6 +210,11 @@ def attention_mass_section(path: Path, doc_dir: Path) -> str:
              f"{settings.get('keys')} keys, attention and mass in one pass); {settings.get('kv_heads')} KV heads of "
              f"{settings.get('group')} query heads, head {settings.get('head_size')}, block "
              f"{settings.get('block_size')}; median of {settings.get('repeats')} calls.")
+    if "layers" in settings:  # runs since 2026-11-27 also time the victim search
+        setup += (f" Then h2o's victim search of that decode step: {settings.get('batch')} requests of "
+                  f"{settings.get('layers')} layers x {settings.get('kv_heads')} KV heads x {settings.get('held')} "
+                  "slots, the C++ op request by request on one thread and on all, and the ranking a GPU does "
+                  "(all requests at once, torch) on CPU tensors.")
     return sections.file_section(f"attention_mass (`{path.name}`)", document, setup,
                                  sections.markdown_table(*attention_mass.table(document.get("results", []))), [],
                                  path, doc_dir)
