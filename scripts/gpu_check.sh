@@ -14,7 +14,9 @@
 #            against their torch references (pytest -m triton --noconftest)
 #   kernels  kernels_TAG.{json,txt,png}: bench gpu-kernels (each kernel against plain torch)
 #   steps    steps_TAG.{json,txt,png}: bench gpu-steps (the wrapper's KV work per decode step)
-# The last line says which stages passed. About 6 minutes on an H100.
+# The last line says which stages passed. Not yet run on a GPU: its limits add up to 23 minutes,
+# more than one device call may take (10), so name the stages in two calls where that matters:
+# `env build tests`, then `kernels steps` (the tests took 133 s on an H100 before).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/gpu}
