@@ -21,16 +21,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from test_model_matrix import model_dir
 from test_streaming_engine import prompts
 
 RUNNER = Path(__file__).with_name("gpu_wrapper_run.py")
 SINKS = 4
-
-
-def zoo_model_dir(architecture: str) -> str:
-    from vllm_kvprune.model_zoo import zoo_model_dir
-
-    return str(zoo_model_dir(architecture))
 
 
 def policy_cases(model: str) -> dict[str, dict]:
@@ -70,7 +65,7 @@ def policy_cases(model: str) -> dict[str, dict]:
         # Beyond the Llama family: Qwen3 (q/k norms before RoPE, GQA, head size 64) with h2o's
         # fused kernel and per-head moves.
         "h2o_qwen3": {**case({"name": "h2o", "budget": 64, "sinks": SINKS, "prune_interval": 1},
-                             (20, 150), [{}, {"kv_prune_interval": 4}], 24), "model": zoo_model_dir("qwen3")},
+                             (20, 150), [{}, {"kv_prune_interval": 4}], 24), "model": model_dir("qwen3")},
     }
 
 

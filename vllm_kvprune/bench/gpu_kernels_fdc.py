@@ -60,9 +60,9 @@ class _DecodeInputs:
         per_request = length // block_size
         table = torch.arange(batch * per_request, dtype=torch.int32, device=device).view(batch, per_request)
         cache = torch.empty(batch * per_request, block_size * layout.row_width, dtype=dtype, device=device)
-        _write_packed(cache, layout, torch.arange(batch * length, device=device),
-                      self.dense_k.permute(0, 2, 1, 3).reshape(-1, heads, self.dense_k.shape[-1]),
-                      self.dense_v.permute(0, 2, 1, 3).reshape(-1, heads, self.dense_v.shape[-1]), block_size)
+        layout.write(cache, torch.arange(batch * length, device=device),
+                     self.dense_k.permute(0, 2, 1, 3).reshape(-1, heads, self.dense_k.shape[-1]),
+                     self.dense_v.permute(0, 2, 1, 3).reshape(-1, heads, self.dense_v.shape[-1]), block_size)
         on_device = PackedHeads(*(t.to(device) if isinstance(t, torch.Tensor) else t for t in (
             layout.k_ranks, layout.v_ranks, layout.k_offsets, layout.v_offsets, layout.row_width)))
         return cache, on_device, table
@@ -150,17 +150,6 @@ def case_fdc_tiles(shapes: Shapes, dtype: torch.dtype, device: str, rows: list) 
                     print(f"  skipped {block_n}/{warps}/{stages}/{by_token}: {type(failure).__name__}: {failure}"[:300])
                 finally:
                     triton_fdc._TILE_OVERRIDE.clear()
-
-
-def _write_packed(cache, packed, slots, key, value, block_size) -> None:
-    """Keys and values `[n, H, D]` into a packed FDC cache, on the cache's device (the same
-    element positions as `PackedHeads.write`, which builds them on CPU)."""
-    keys, values, _ = packed._positions(slots.cpu(), block_size, cache.shape[1])
-    flat = cache.view(-1)
-    flat[keys.reshape(-1).to(cache.device)] = torch.cat(
-        [key[:, h, : int(r)] for h, r in enumerate(packed.k_ranks)], 1).reshape(-1).to(cache.dtype)
-    flat[values.reshape(-1).to(cache.device)] = torch.cat(
-        [value[:, h, : int(r)] for h, r in enumerate(packed.v_ranks)], 1).reshape(-1).to(cache.dtype)
 
 
 # ---- fdc-layer ----------------------------------------------------------------------------------

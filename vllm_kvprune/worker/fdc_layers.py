@@ -94,15 +94,15 @@ class FdcLayers:
         return sum(self.layer_widths) / (len(self.layer_widths) * 2 * self.num_kv_heads * self.head_dim)
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-              slots: torch.Tensor, block_size: int, writer=None) -> tuple[torch.Tensor, torch.Tensor]:
+              slots: torch.Tensor, block_size: int, *, writer) -> tuple[torch.Tensor, torch.Tensor]:
         """Reduce the new tokens' keys/values `[T, H, d]` and store them at `slots`; returns the
         reduced keys and values (fp32, `[T, H, max k]`, zero past each head's rank), for a
         policy that scores what is cached. `writer`: the platform's narrow write
-        (`KernelSet.write_narrow`, which skips slot -1); without one every slot must be real."""
+        (`KernelSet.write_narrow`, which skips slot -1)."""
         fdc_layer = self.layers[layer]
         reduced_keys = torch.einsum("thd,hdk->thk", key.float(), fdc_layer.qk_rotation)
         reduced_values = torch.einsum("thd,hdk->thk", value.float(), fdc_layer.v_rotation)
-        (writer or _write_all)(fdc_layer.heads, blocks_of(kv_cache), slots, reduced_keys, reduced_values, block_size)
+        writer(fdc_layer.heads, blocks_of(kv_cache), slots, reduced_keys, reduced_values, block_size)
         return reduced_keys, reduced_values
 
     def copy(self, layer: int, kv_cache: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor,
@@ -145,11 +145,6 @@ class FdcLayers:
                       fdc_layer.v_rotation.repeat_interleave(group, dim=0).contiguous())
             self._query_rotations[layer] = cached
         return cached
-
-
-def _write_all(heads: PackedHeads, cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor,
-               values: torch.Tensor, block_size: int) -> None:
-    heads.write(cache, slots, keys, values, block_size=block_size)
 
 
 def blocks_of(kv_cache: torch.Tensor) -> torch.Tensor:
