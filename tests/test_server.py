@@ -60,6 +60,19 @@ def test_chat_endpoint_validates_too(server):
     assert _complete(base, model, {"kv_budget": 64}, "chat/completions").status_code == 200
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_a_kv_setting_at_the_top_level_is_400_naming_vllm_xargs(server, endpoint):
+    # The OpenAI client's extra_body={"kv_budget": ...} lands here; vLLM alone would drop it.
+    base, model = server
+    body = {"model": model, "max_tokens": 8, "kv_budget": 96,
+            **({"prompt": "The quick brown fox"} if endpoint == "completions" else
+               {"messages": [{"role": "user", "content": "Say something."}]})}
+    bad = requests.post(f"{base}/v1/{endpoint}", json=body, timeout=120)
+    assert bad.status_code == 400, bad.text
+    assert bad.json()["error"]["param"] == "kv_budget" and "vllm_xargs" in bad.json()["error"]["message"]
+    assert _complete(base, model, {"kv_budget": 96}, endpoint).status_code == 200
+
+
 def test_per_request_budget_changes_the_output(server):
     base, model = server
     long = {"model": model, "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0, "ignore_eos": True}

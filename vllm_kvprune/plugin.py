@@ -13,7 +13,7 @@ import logging
 import sys
 from pathlib import Path
 
-from vllm_kvprune import admission, gpu_on_cpu, vllm_hooks
+from vllm_kvprune import admission, gpu_on_cpu, http_settings, vllm_hooks
 
 from vllm_kvprune.config import (
     ADDITIONAL_CONFIG_KEY,
@@ -72,7 +72,8 @@ def register() -> None:
             _install_error = RuntimeError(problem)
             logger.error("vllm-kvprune: %s; KV policies other than 'none' will refuse to start", problem)
             return
-        vllm_hooks.install_cli(_add_kv_flags, _exit_on_bad_flags, _policy_entry, ADDITIONAL_CONFIG_KEY)
+        vllm_hooks.install_cli(_add_kv_flags, _exit_on_bad_flags, _policy_entry, ADDITIONAL_CONFIG_KEY,
+                               http_middleware=http_settings.PATH)
         vllm_hooks.install_engine_config(_prepare_engine_args, _adjust_vllm_config)
         _install_kv_spec()
         vllm_hooks.install_memory_hint(_memory_hint)
@@ -356,6 +357,17 @@ def check_prompt(vllm_config, num_prompt_tokens: int) -> None:
     except KVConfigError as exc:
         _count_rejection(vllm_config, exc.setting)
         raise
+
+
+def frontend_policy() -> KVPolicyConfig | None:
+    """The policy this front end checks requests against (None: no policy runs here)."""
+    return _frontend_policy
+
+
+def count_frontend_rejection(setting: str) -> None:
+    """A request this front end refused for `setting` (outside the request validator)."""
+    if _frontend_vllm_config is not None:
+        _count_rejection(_frontend_vllm_config, setting)
 
 
 def _count_rejection(vllm_config, setting: str) -> None:

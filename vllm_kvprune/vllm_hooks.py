@@ -58,10 +58,11 @@ def __getattr__(name: str) -> Any:
 
 # ---- patches -----------------------------------------------------------------------------
 def install_cli(add_flags: Callable[[Any], Any], check_flags: Callable[[Any], None],
-                policy_entry: Callable[[Any], dict | None], config_key: str) -> None:
+                policy_entry: Callable[[Any], dict | None], config_key: str, http_middleware: str | None = None) -> None:
     """`vllm serve` gains flags (`add_flags(parser)`); `check_flags(namespace)` runs right
     after parsing (so a bad flag stops the CLI before start-up); `policy_entry(namespace)`
-    is stored under `additional_config[config_key]` of the engine args."""
+    is stored under `additional_config[config_key]` of the engine args; `http_middleware`
+    (an import path) joins the server's `--middleware` list."""
     from vllm.engine.arg_utils import EngineArgs
 
     original_add = EngineArgs.add_cli_args
@@ -75,6 +76,9 @@ def install_cli(add_flags: Callable[[Any], Any], check_flags: Callable[[Any], No
         def parse_known_args(*args, **kwargs):
             namespace, rest = parse(*args, **kwargs)
             check_flags(namespace)
+            added = getattr(namespace, "middleware", None)  # only `vllm serve` has it
+            if http_middleware and isinstance(added, list) and http_middleware not in added:
+                namespace.middleware = [*added, http_middleware]
             return namespace, rest
 
         parser.parse_known_args = parse_known_args
