@@ -209,3 +209,35 @@ def test_the_step_reads_its_evicting_requests_block_means_together(monkeypatch, 
     assert calls["many"] == 2 and calls["alone"] == (0 if joint else 5)
     for i in range(3):
         assert np.array_equal(kept[i], run([i], counted=False)[i])
+
+
+def test_a_token_at_a_time_fills_the_map_as_a_chunk_does():
+    # A decode step's single token takes the map's own path (and `is_identity` its cached
+    # answer); a chunk of the same tokens, the general one: the maps must agree throughout.
+    from vllm_kvprune.worker.block_map import LayerBlockMap
+
+    rng = np.random.default_rng(3)
+    for trial in range(30):
+        one, chunk = LayerBlockMap(3, 4), LayerBlockMap(3, 4)
+        position = 0
+        for _ in range(12):
+            count = int(rng.integers(1, 9))
+            positions = np.arange(position, position + count)
+            singles = np.concatenate([one.append(positions[i:i + 1]) for i in range(count)], axis=1)
+            assert np.array_equal(singles, chunk.append(positions))
+            position += count
+            action = rng.integers(3)
+            full_blocks = one.num_valid // 4
+            if action == 0 and trial % 2 and one.tail_full and full_blocks > 1:
+                victims = np.stack([rng.permutation(full_blocks - 1)[:1] + 1 for _ in range(3)])
+                one.evict(victims)
+                chunk.evict(victims)
+            elif action == 1 and trial % 3 == 0 and one.num_valid > 4:
+                one.compact(one.num_valid - 2)
+                chunk.compact(chunk.num_valid - 2)
+            for blocks in (one, chunk):
+                fresh = not blocks.free.shape[1] and bool((blocks.order == np.arange(blocks.order.shape[1])).all())
+                assert blocks.is_identity() == fresh
+            assert np.array_equal(one.order, chunk.order) and np.array_equal(one.free, chunk.free)
+            assert np.array_equal(one.logical, chunk.logical)
+            one.check()

@@ -47,6 +47,18 @@ def test_streaming_survivors_and_victims():
     assert sorted(logical[policy.victims(logical, 3, config)].tolist()) == [2, 3, 4]
 
 
+def test_streaming_one_victim_is_the_oldest_non_sink():
+    # A decode step's single victim takes its own path; the general one (count 2) agrees.
+    policy, rng = StreamingPolicy(), np.random.default_rng(1)
+    for sinks in (0, 2, 4):
+        config = KVPolicyConfig.from_dict({"name": "streaming", "budget": 64, "sinks": sinks})
+        for _ in range(100):
+            logical = rng.permutation(200)[: int(rng.integers(3, 60))]
+            assert policy.victims(logical, 1, config).tolist() == policy.victims(logical, 2, config)[:1].tolist()
+    only_sinks = KVPolicyConfig.from_dict({"name": "streaming", "budget": 8, "sinks": 4})
+    assert len(policy.victims(np.array([2, 0, 1]), 1, only_sinks)) == 0
+
+
 def _run(config: KVPolicyConfig, prompt: int, steps: int) -> list[int]:
     """Physical keys seen per step when one request runs prompt then decode steps."""
     state = RequestKVState(config=config, policy=StreamingPolicy())

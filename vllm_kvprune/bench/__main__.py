@@ -24,6 +24,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "ray_batch",
     "gpu_kernels",
     "gpu_steps",
+    "plan_steps",
     "accuracy",
     "results_page",
 )

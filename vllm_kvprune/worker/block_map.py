@@ -29,6 +29,8 @@ class LayerBlockMap:
         # None until the first compaction or eviction: every layer then still holds slot
         # s = position s, which is not stored (a prompt of any length costs nothing here).
         self._logical: np.ndarray | None = None
+        self._identity: bool | None = True  # `is_identity`, None once order or free changed
+        self._layers = np.arange(num_layers)[:, None]  # row index of every layer, for fancy indexing
 
     @property
     def logical(self) -> np.ndarray:
@@ -41,8 +43,8 @@ class LayerBlockMap:
 
     @property
     def nbytes(self) -> int:
-        """Bytes this map holds (block orders and, once materialised, positions)."""
-        held = self.order.nbytes + self.free.nbytes
+        """Bytes this map holds (block orders, its layer index and, once materialised, positions)."""
+        held = self.order.nbytes + self.free.nbytes + self._layers.nbytes
         return held + (0 if self._logical is None else self._logical.nbytes)
 
     @property
@@ -67,11 +69,22 @@ class LayerBlockMap:
         return self.num_valid % self.block_size == 0
 
     def is_identity(self) -> bool:
-        """Whether every layer still reads its blocks in table order (no eviction yet)."""
-        return not self.free.shape[1] and bool((self.order == np.arange(self.order.shape[1])).all())
+        """Whether every layer still reads its blocks in table order (no eviction yet).
+        Worked out again only after the order or the free blocks changed (a decode step
+        that only fills its tail changes neither)."""
+        if self._identity is None:
+            self._identity = not self.free.shape[1] and bool((self.order == np.arange(self.order.shape[1])).all())
+        return self._identity
 
     def append(self, positions: np.ndarray) -> np.ndarray:
         """Write new tokens after the last valid slot; returns local slots `[layers, q]`."""
+        if len(positions) == 1 and not self.tail_full:  # a decode step's token: into every layer's tail
+            slots = self.order[:, -1:] * self.block_size + self.num_valid % self.block_size
+            self.num_valid += 1
+            if self._logical is not None:
+                self._grow_logical(int(slots.max()) + 1)
+                self._logical[self._layers, slots] = positions
+            return slots
         slots = np.empty((self.num_layers, len(positions)), np.int64)
         done = 0
         while done < len(positions):
@@ -84,7 +97,7 @@ class LayerBlockMap:
             done += count
         if self._logical is not None:
             self._grow_logical(int(slots.max()) + 1)
-            self._logical[np.arange(self.num_layers)[:, None], slots] = positions
+            self._logical[self._layers, slots] = positions
         return slots
 
     def _open_tail(self) -> None:
@@ -93,6 +106,7 @@ class LayerBlockMap:
         else:
             tail = np.full((self.num_layers, 1), self.num_blocks, np.int64)
         self.order = np.concatenate([self.order, tail], axis=1)
+        self._identity = None
 
     def _grow_logical(self, num_slots: int) -> None:
         missing = num_slots - self._logical.shape[1]
@@ -103,12 +117,13 @@ class LayerBlockMap:
         """Drop the blocks at positions `victims` `[layers, r]` of each layer's order (full
         blocks only); they become free, in the given order, for the next tails."""
         logical = self.logical  # materialised (if still the identity) before the order changes
-        layers = np.arange(self.num_layers)[:, None]
+        layers = self._layers
         dropped = self.order[layers, victims]
         keep = np.ones(self.order.shape, bool)
         keep[layers, victims] = False
         self.order = self.order[keep].reshape(self.num_layers, -1)
         self.free = np.concatenate([self.free, dropped], axis=1)
+        self._identity = None
         self.num_valid -= victims.shape[1] * self.block_size
         slots = dropped[:, :, None] * self.block_size + np.arange(self.block_size)
         logical[layers[:, :, None], slots] = -1
@@ -119,6 +134,7 @@ class LayerBlockMap:
         num_blocks = -(-num_kept // self.block_size)
         self.order = np.tile(np.arange(num_blocks, dtype=np.int64), (self.num_layers, 1))
         self.free = np.empty((self.num_layers, 0), np.int64)
+        self._identity = None
         self.num_valid = num_kept
         # The prompt's room is given back: positions for the kept blocks only.
         self._logical = np.full((self.num_layers, num_blocks * self.block_size), -1, np.int64)

@@ -74,10 +74,13 @@ class RowPlanner:
         self.block_size = block_size
         self.scores = scores  # the policy's score table (LayerScores, HeadMass) or None
         self.seq_lens: list[int] = []
+        self._checkpointed: tuple[int, tuple[str, ...]] | None = None  # (attribute count, names)
 
     @classmethod
     def attach_map(cls, state: RequestKVState, scores: Any) -> None:
         """Give a new (or restarted) request the map this planner plans."""
+
+    searches_ahead = False  # whether `search_ahead` does anything (else its rows are not built)
 
     def search_ahead(self, rows: list[Row]) -> None:
         """Before any row is planned: work the planner can do for all of the step's rows at
@@ -93,8 +96,12 @@ class RowPlanner:
     # ---- shared: a row that fails half-way leaves the step as it was (worker/faults.py) ----
     def checkpoint(self) -> dict[str, Any]:
         """What `rollback` restores: the length of every list the rows append to, and the flags."""
-        return {name: len(value) if isinstance(value, list) else value
-                for name, value in vars(self).items() if isinstance(value, (list, bool))}
+        fields = vars(self)
+        names = self._checkpointed
+        if names is None or names[0] != len(fields):  # found once, again if an attribute was added
+            names = (len(fields), tuple(name for name, value in fields.items() if isinstance(value, (list, bool))))
+            self._checkpointed = names
+        return {name: len(fields[name]) if isinstance(fields[name], list) else fields[name] for name in names[1]}
 
     def rollback(self, checkpoint: dict[str, Any]) -> None:
         for name, kept in checkpoint.items():
@@ -107,6 +114,10 @@ class RowPlanner:
     # ---- shared: local slots (inside the request's own blocks) to pool-wide slots ----
     def _global(self, block_row: np.ndarray, slots: np.ndarray) -> np.ndarray:
         return block_row[slots // self.block_size].astype(np.int64) * self.block_size + slots % self.block_size
+
+    def _global_one(self, block_row: np.ndarray, slot: int) -> int:
+        # One slot (a decode step's): Python arithmetic, a few numpy calls fewer than `_global`.
+        return int(block_row[slot // self.block_size]) * self.block_size + slot % self.block_size
 
     def _global_or_skip(self, block_row: np.ndarray, slots: np.ndarray) -> np.ndarray:
         return np.where(slots == SKIP, SKIP, self._global(block_row, np.maximum(slots, 0)))
@@ -151,21 +162,21 @@ class TokenPlanner(RowPlanner):
             victims = state.policy.victims(slots.logical, slots.num_valid + 1 - config.budget, config)
             if self.shift_and_append:
                 pre = slots.compact(np.setdiff1d(np.arange(slots.num_valid), victims))
-                new_slots = slots.append(row.positions)
+                mapped = self._global(row.block_row, slots.append(row.positions))
             else:
                 new_slot, pre = slots.replace(victims, row.num_computed)
-                new_slots = np.array([new_slot], np.int64)
+                mapped = np.array([self._global_one(row.block_row, new_slot)], np.int64)
         else:
             chunk = config.prefill_chunk
             if row.in_prompt and config.prefill == "streaming" and row.num_computed % chunk == 0:
                 pre = evict_for(state, min(chunk, row.num_prompt - row.num_computed))
             kept_before_new = slots.num_valid
-            new_slots = slots.append(row.positions)
+            mapped = self._global(row.block_row, slots.append(row.positions))
             if row.in_prompt and config.prefill == "full" and row.ends_prompt:
                 post = evict_for(state, 1)
         self._add_moves(self.pre_moves, row.block_row, pre)
         self._add_moves(self.post_moves, row.block_row, post)
-        self.slot_mapping.append(self._global(row.block_row, new_slots))
+        self.slot_mapping.append(mapped)
         self.seq_lens.append(kept_before_new + row.num_new)
         self._plan_sinks(row, kept_before_new)
 
@@ -217,6 +228,8 @@ class BlockPlanner(RowPlanner):
     @classmethod
     def attach_map(cls, state: RequestKVState, scores: Any) -> None:
         state.blocks = LayerBlockMap(scores.num_layers, scores.block_size)
+
+    searches_ahead = True
 
     def search_ahead(self, rows: list[Row]) -> None:
         """The block means of every row that evicts in decode this step, read in one go (on a
@@ -313,6 +326,8 @@ class HeadPlanner(RowPlanner):
                 heads.truncate(config.budget - 1)
         self.head_slots.append(self._global(row.block_row, local))
         self.seq_lens.append(kept_before_new + row.num_new)
+
+    searches_ahead = True
 
     def search_ahead(self, rows: list[Row]) -> None:
         """The victims of every row that evicts in decode this step, in one search (on a

@@ -58,6 +58,10 @@ class SlotMap:
         (lazy pruning), survivors beyond the new end of the prefix fill the other holes.
         Returns the new token's slot and the moves to apply before writing it.
         """
+        if len(victim_slots) == 1:  # a decode step's one eviction: overwritten where it is
+            new_slot = int(victim_slots[0])
+            self.logical[new_slot] = position
+            return new_slot, NO_MOVES
         new_valid = self.num_valid - len(victim_slots) + 1
         is_victim = np.zeros(self.num_valid, bool)
         is_victim[victim_slots] = True

@@ -1,0 +1,163 @@
+"""The host's planning of a decode step, alone: `WorkerKVState.plan` for a batch past its prompts.
+
+A GPU waits for this Python every step (`bench gpu-steps`: most of what `streaming` and
+`paged_eviction` add to a step there), and it is the same code on every host, so it is timed
+here without a model, kernels or a GPU: `gpu-steps`' shapes (SmolLM2-135M's 30 layers x 3 KV
+heads, batch 32, prompts of 2048 tokens, budget 512, 16-token blocks), each request's map
+driven through its prompt and then `--steps` decode steps, one token each. The policies are
+those whose plan needs nothing the kernels write: `streaming` and `paged_eviction` (its block
+scores stay zero, so it evicts by position; the work per step is the same). `h2o`'s plan needs
+its prompt's attention mass; its victim search is timed by `bench attention-mass`.
+
+`--against REV` times the same steps on git revision REV too (a temporary worktree using this
+tree's C++ extension), alternating child processes `--rounds` times, so that one run gives the
+ratio on one machine at one time (this 2-core VM's speed drifts by up to 1.5x between minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+NAME = "plan-steps"
+POLICIES = ("streaming", "paged_eviction")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    parser.add_argument("--steps", type=int, default=150, help="decode steps timed per policy and round")
+    parser.add_argument("--rounds", type=int, default=3, help="child processes per tree and policy")
+    parser.add_argument("--against", default=None, help="a git revision to time beside this tree")
+    parser.add_argument("--out", default="results/plan_steps.json")
+
+
+def measure(policy: str, steps: int, kept: bool = False) -> list[float] | tuple[list[float], list[int]]:
+    """Planning ms of each decode step (the first 5, warming caches, left out); with `kept`,
+    also the tokens each request holds at the end (its budget, once the maps work)."""
+    from vllm_kvprune import vllm_hooks
+    from vllm_kvprune.bench.gpu_steps import FULL as shapes
+    from vllm_kvprune.bench.gpu_steps import policy_settings
+    from vllm_kvprune.config import KVPolicyConfig
+    from vllm_kvprune.worker import runtime
+    from vllm_kvprune.worker.state import StepRows, WorkerKVState
+
+    vllm_hooks.tp_all_reduce = lambda tensor: tensor  # one process: the block scores' all-reduce
+    blocks_per_request = -(-(shapes.prompt + steps + 64) // shapes.block_size)
+    num_blocks = shapes.batch * blocks_per_request + 1
+    block_rows = np.random.default_rng(0).permutation(np.arange(1, num_blocks)).reshape(shapes.batch, -1)
+    state = WorkerKVState(KVPolicyConfig.from_dict(policy_settings(policy, shapes)))
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(shapes.layers)]
+    state.bind_cache(layers, num_blocks, shapes.block_size, shapes.kv_heads, shapes.kv_heads, device="cpu")
+    runtime.install(state)
+    batch, names = shapes.batch, [f"r{i}" for i in range(shapes.batch)]
+    timings = []
+    for step in range(steps + 6):
+        num_new = np.full(batch, shapes.prompt if step == 0 else 1)
+        computed = np.full(batch, 0 if step == 0 else shapes.prompt + step - 1, np.int64)
+        state.rows = StepRows(names, computed, np.full(batch, shapes.prompt), block_rows.astype(np.int32), [None] * batch)
+        started = time.perf_counter()
+        state.plan(np.concatenate([[0], np.cumsum(num_new)]), shapes.block_size)
+        timings.append(1e3 * (time.perf_counter() - started))
+    runtime.install(None)
+    failed = [request_id for request_id, request in state.requests.items() if request.failure is not None]
+    if failed:
+        raise RuntimeError(f"plan-steps: {policy}: requests failed: {failed[:3]}")
+    if kept:
+        return timings[6:], [state.requests[name].kept_tokens()[1] for name in names]
+    return timings[6:]
+
+
+def _tree_at(revision: str, workdir: str) -> Path:
+    """A worktree of `revision` with this tree's built C++ extension beside its sources."""
+    tree = Path(workdir) / "tree"
+    subprocess.run(["git", "worktree", "add", "--detach", str(tree), revision], check=True, capture_output=True)
+    here = Path(__file__).resolve().parents[1]
+    for built in here.glob("_C*.so"):
+        (tree / "vllm_kvprune" / built.name).write_bytes(built.read_bytes())
+    return tree
+
+
+def _child(tree: Path, policy: str, steps: int) -> list[float]:
+    """`measure` (this file's, so a revision from before it can be timed) in a fresh process
+    that imports `vllm_kvprune` from `tree`."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    code = (f"import json, runpy; measure = runpy.run_path({str(Path(__file__).resolve())!r})['measure']; "
+            f"import vllm_kvprune; assert vllm_kvprune.__file__.startswith({str(tree)!r}), vllm_kvprune.__file__; "
+            f"print(json.dumps(measure({policy!r}, {steps})))")
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=tree, check=True, capture_output=True, text=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run(args: argparse.Namespace) -> int:
+    here = Path(__file__).resolve().parents[2]
+    with tempfile.TemporaryDirectory() as workdir:
+        trees = {"this tree": here}
+        if args.against:
+            trees[args.against] = _tree_at(args.against, workdir)
+        try:
+            timings = {(tree, policy): [] for tree in trees for policy in args.policies}
+            for _ in range(args.rounds):  # alternate, so drift hits every tree alike
+                for policy in args.policies:
+                    for label, tree in trees.items():
+                        timings[label, policy] += _child(tree, policy, args.steps)
+        finally:
+            if args.against:
+                subprocess.run(["git", "worktree", "remove", "--force", str(trees[args.against])], capture_output=True)
+    rows = [{"tree": label, "policy": policy, "median_ms": statistics.median(found),
+             "p10_ms": statistics.quantiles(found, n=10)[0], "steps": len(found)}
+            for (label, policy), found in timings.items()]
+    for row in rows:
+        base = next((other for other in rows if other["policy"] == row["policy"] and other["tree"] == args.against), None)
+        row["vs_against"] = base["median_ms"] / row["median_ms"] if base else None
+    _print(rows)
+    _write(rows, args, Path(args.out))
+    return 0
+
+
+def _print(rows: list[dict[str, Any]]) -> None:
+    print(f"{'tree':<14}{'policy':<16}{'median ms':>10}{'p10 ms':>9}{'speed-up':>10}")
+    for row in rows:
+        ratio = f"{row['vs_against']:.2f}x" if row["vs_against"] else "-"
+        print(f"{row['tree']:<14}{row['policy']:<16}{row['median_ms']:>10.3f}{row['p10_ms']:>9.3f}{ratio:>10}")
+
+
+def _write(rows: list[dict[str, Any]], args: argparse.Namespace, path: Path) -> None:
+    import platform
+
+    import matplotlib
+
+    from vllm_kvprune.bench.gpu_steps import FULL
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    machine = {"python": platform.python_version(), "cpu_count": os.cpu_count(), "head": head,
+               "command": ["python", "-m", "vllm_kvprune.bench", NAME, *sys.argv[2:]],
+               "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    document = {"benchmark": NAME, "machine": machine, "against": args.against, "rounds": args.rounds,
+                "shapes": {"batch": FULL.batch, "layers": FULL.layers, "kv_heads": FULL.kv_heads,
+                           "prompt": FULL.prompt, "budget": FULL.budget, "block_size": FULL.block_size},
+                "results": rows}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document, indent=1))
+    figure, axes = plt.subplots(figsize=(6.0, 3.0))
+    labels = [f"{row['policy']}\n{row['tree']}" for row in rows]
+    axes.bar(labels, [row["median_ms"] for row in rows])
+    axes.set_ylabel("ms of host planning per decode step")
+    axes.set_title(f"batch {FULL.batch}, {FULL.layers} layers x {FULL.kv_heads} KV heads", fontsize=9)
+    axes.tick_params(axis="x", labelsize=7)
+    figure.tight_layout()
+    figure.savefig(path.with_suffix(".png"), dpi=120)
+    plt.close(figure)
+    print(f"wrote {path} and {path.with_suffix('.png')}")
