@@ -3,7 +3,7 @@
 # vLLM, nothing downloadable). From the repository root:
 #
 #   OUT=DIR bash scripts/gpu_check.sh            # DIR defaults to results/gpu
-#   OUT=DIR bash scripts/gpu_check.sh tests      # the stages named: env build tests kernels steps
+#   OUT=DIR bash scripts/gpu_check.sh tests      # the stages named: env build tests kernels steps plan
 #
 # Stages, each under its own time limit, each going on when an earlier one failed (one broken
 # stage loses nothing else), each writing into $OUT with the GPU's tag (h100, h200, ...):
@@ -14,16 +14,17 @@
 #            against their torch references (pytest -m triton --noconftest)
 #   kernels  kernels_TAG.{json,txt,png}: bench gpu-kernels (each kernel against plain torch)
 #   steps    steps_TAG.{json,txt,png}: bench gpu-steps (the wrapper's KV work per decode step)
-# The last line says which stages passed. Not yet run on a GPU: its limits add up to 23 minutes,
+#   plan     plan_steps_TAG.{json,txt,png}: bench plan-steps (the host's planning alone, on that host)
+# The last line says which stages passed. Not yet run on a GPU: its limits add up to 25 minutes,
 # more than one device call may take (10), so name the stages in two calls where that matters:
-# `env build tests`, then `kernels steps` (the tests took 133 s on an H100 before).
+# `env build tests`, then `kernels steps plan` (the tests took 133 s on an H100 before).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/gpu}
 mkdir -p "$OUT"
 PYTHON=${PYTHON:-python3}
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(env build tests kernels steps)
+[ ${#stages[@]} -eq 0 ] && stages=(env build tests kernels steps plan)
 
 TAG=$($PYTHON -c "import torch; from vllm_kvprune.bench.gpu_kernels import gpu_slug; \
 print(gpu_slug('cuda' if torch.cuda.is_available() else 'cpu'))" 2>/dev/null || echo unknown)
@@ -61,8 +62,11 @@ for stage in "${stages[@]}"; do
       run_stage kernels 300 "$OUT/kernels_$TAG.txt" $PYTHON -m vllm_kvprune.bench.gpu_kernels --out "$OUT/kernels_$TAG" ;;
     steps)
       run_stage steps 300 "$OUT/steps_$TAG.txt" $PYTHON -m vllm_kvprune.bench.gpu_steps --out "$OUT/steps_$TAG" ;;
+    plan)
+      run_stage plan 120 "$OUT/plan_steps_$TAG.txt" $PYTHON -m vllm_kvprune.bench.plan_steps \
+        --out "$OUT/plan_steps_$TAG.json" ;;
     *)
-      echo "unknown stage '$stage' (env build tests kernels steps)" >&2
+      echo "unknown stage '$stage' (env build tests kernels steps plan)" >&2
       exit 2 ;;
   esac
 done

@@ -131,6 +131,11 @@ def _print(rows: list[dict[str, Any]]) -> None:
         print(f"{row['tree']:<14}{row['policy']:<16}{row['median_ms']:>10.3f}{row['p10_ms']:>9.3f}{ratio:>10}")
 
 
+def _own_arguments() -> list[str]:
+    # The arguments after the subcommand (`bench plan-steps ...`) or the module (`-m ...plan_steps`).
+    return sys.argv[sys.argv.index(NAME) + 1:] if NAME in sys.argv else sys.argv[1:]
+
+
 def _write(rows: list[dict[str, Any]], args: argparse.Namespace, path: Path) -> None:
     import platform
 
@@ -143,7 +148,7 @@ def _write(rows: list[dict[str, Any]], args: argparse.Namespace, path: Path) -> 
 
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     machine = {"python": platform.python_version(), "cpu_count": os.cpu_count(), "head": head,
-               "command": ["python", "-m", "vllm_kvprune.bench", NAME, *sys.argv[2:]],
+               "command": ["python", "-m", "vllm_kvprune.bench", NAME, *_own_arguments()],
                "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     document = {"benchmark": NAME, "machine": machine, "against": args.against, "rounds": args.rounds,
                 "shapes": {"batch": FULL.batch, "layers": FULL.layers, "kv_heads": FULL.kv_heads,
@@ -161,3 +166,16 @@ def _write(rows: list[dict[str, Any]], args: argparse.Namespace, path: Path) -> 
     figure.savefig(path.with_suffix(".png"), dpi=120)
     plt.close(figure)
     print(f"wrote {path} and {path.with_suffix('.png')}")
+
+
+def main() -> int:
+    """`python3 -m vllm_kvprune.bench.plan_steps`: where vLLM (which the bench menu imports) is
+    missing, as on the GPU machine (`scripts/gpu_check.sh plan`)."""
+    parser = argparse.ArgumentParser(prog="python3 -m vllm_kvprune.bench.plan_steps", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

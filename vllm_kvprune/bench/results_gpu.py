@@ -1,5 +1,6 @@
 """Results-page sections of the GPU runs (`results/gpu/`): the kernels against torch on each GPU
-they ran on, the GPU wrapper's work per decode step, and fdc's decode tile sweep."""
+they ran on, the GPU wrapper's work per decode step, the host's planning of a step, and fdc's
+decode tile sweep."""
 
 from __future__ import annotations
 
@@ -104,6 +105,28 @@ def steps_section(path: Path, doc_dir: Path) -> str:
              f"Command (on the GPU machine, after `python3 setup.py build_ext --inplace`): `{command}`", setup,
              markdown_table(["policy", "ms per step", "of which host planning", "tokens kept", "speed vs none"],
                             rows)]
+    image = plot_link(path, doc_dir)
+    if image:
+        parts.append(image)
+    return "\n\n".join(parts)
+
+
+def plan_steps_section(path: Path, doc_dir: Path) -> str:
+    """The host's planning of a decode step alone (`bench plan-steps`), beside a revision's."""
+    document = load(path)
+    machine, shapes = document.get("machine", {}), document.get("shapes", {})
+    against = document.get("against")
+    setup = (f"`WorkerKVState.plan` alone (no model, no kernels) for batch {shapes.get('batch')}, "
+             f"{shapes.get('layers')} layers x {shapes.get('kv_heads')} KV heads, prompts of {shapes.get('prompt')} "
+             f"tokens, budget {shapes.get('budget')}; each row the median over {document.get('rounds')} child "
+             f"processes' decode steps{f', alternating with revision `{against}`' if against else ''} (head "
+             f"`{machine.get('head', MISSING)}`, {machine.get('cpu_count', MISSING)} CPUs, "
+             f"{machine.get('time_utc', MISSING)}).")
+    rows = [[row["tree"], row["policy"], f"{row['median_ms']:.3f}", f"{row['p10_ms']:.3f}",
+             f"{row['vs_against']:.2f}x" if row.get("vs_against") else MISSING] for row in document["results"]]
+    parts = [f"### The host's planning of a decode step (`{Path(path).name}`)",
+             f"Command: `{shown_command(machine.get('command'))}`", setup,
+             markdown_table(["tree", "policy", "median ms", "p10 ms", "speed-up"], rows)]
     image = plot_link(path, doc_dir)
     if image:
         parts.append(image)

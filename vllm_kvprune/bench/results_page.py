@@ -173,6 +173,9 @@ def render(results_dir: Path, page_path: Path) -> str:
                  for path in sorted((results_dir / "gpu").glob("kernels*.json"))]
     gpu_parts += [results_gpu.steps_section(path, page_path.parent)
                   for path in sorted((results_dir / "gpu").glob("steps*.json"))]
+    gpu_parts += [results_gpu.plan_steps_section(path, page_path.parent)
+                  for path in [results_dir / "plan_steps.json", *sorted((results_dir / "gpu").glob("plan_steps*.json"))]
+                  if path.is_file()]
     gpu_parts += [results_gpu.fdc_tiles_section(path, page_path.parent)
                   for pattern in ("fdc_tiles*.json", "fdc_layout*.json")
                   for path in sorted((results_dir / "gpu").glob(pattern))]
