@@ -24,7 +24,7 @@ def test_every_policy_is_timed_here_and_at_the_revision(tmp_path):
     assert set(rows) == {(tree, policy) for tree in ("this tree", "HEAD") for policy in plan_steps.POLICIES}
     for (tree, _), row in rows.items():
         assert row["steps"] == 6 and 0 < row["p10_ms"] <= row["median_ms"]
-        assert (row["vs_against"] == 1.0) == (tree == "HEAD")
+        assert (row["vs_against"] == 1.0 and row["vs_against_p10"] == 1.0) == (tree == "HEAD")
     assert _worktrees() == before
 
 

@@ -123,10 +123,11 @@ def plan_steps_section(path: Path, doc_dir: Path) -> str:
              f"`{machine.get('head', MISSING)}`, {machine.get('cpu_count', MISSING)} CPUs, "
              f"{machine.get('time_utc', MISSING)}).")
     rows = [[row["tree"], row["policy"], f"{row['median_ms']:.3f}", f"{row['p10_ms']:.3f}",
-             f"{row['vs_against']:.2f}x" if row.get("vs_against") else MISSING] for row in document["results"]]
+             *[f"{row[key]:.2f}x" if row.get(key) else MISSING for key in ("vs_against", "vs_against_p10")]]
+            for row in document["results"]]
     parts = [f"### The host's planning of a decode step (`{Path(path).name}`)",
              f"Command: `{shown_command(machine.get('command'))}`", setup,
-             markdown_table(["tree", "policy", "median ms", "p10 ms", "speed-up"], rows)]
+             markdown_table(["tree", "policy", "median ms", "p10 ms", "speed-up (median)", "speed-up (p10)"], rows)]
     image = plot_link(path, doc_dir)
     if image:
         parts.append(image)
