@@ -83,6 +83,20 @@ class TestSmallPoolFullPrefill:
         assert len(output.outputs[0].token_ids) == 8
 
 
+    def test_an_unchecked_bad_override_fails_alone_in_the_engine(self, small_pool_llm, monkeypatch):
+        # A front end without the plugin's checks (here: switched off) hands the engine a bad
+        # override: that request finishes with an error naming it; the engine and the next go on.
+        from vllm_kvprune import plugin
+
+        monkeypatch.setattr(plugin, "_frontend_policy", None)
+        bad, good = small_pool_llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9, 10]}],
+                                            [greedy(8, kv_budget=0), greedy(8)], use_tqdm=False)
+        assert bad.outputs[0].finish_reason == "error" and not bad.outputs[0].token_ids
+        assert "kv_budget" in str(bad.outputs[0].stop_reason)
+        assert len(good.outputs[0].token_ids) == 8
+        assert all_blocks_free(small_pool_llm)
+
+
 def test_streaming_prefill_serves_the_long_prompt_from_the_small_pool(tiny_model):
     policy = {"name": "streaming", "budget": 128, "sinks": 4, "prefill": "streaming"}
     with engine(tiny_model, policy, kv_blocks=POOL_BLOCKS + 1) as llm:

@@ -104,6 +104,22 @@ def test_the_key_found_is_the_first_in_order():
     assert misplaced_key(b'{"prompt": "kv_budget"}') is None
 
 
+def test_the_parsed_flags_carry_the_policy_into_additional_config():
+    # What `--api-server-count N` front ends build their engine args from, without the plugin's
+    # `from_cli_args` patch (they load the plugin only after): the namespace itself.
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    plugin.register()
+    parser = make_arg_parser(FlexibleArgumentParser())
+    args = parser.parse_args(["--model", "m", "--additional-config", '{"other": 1}', "--kv-policy", "streaming",
+                              "--kv-budget", "256"])
+    assert args.additional_config["other"] == 1
+    assert args.additional_config["kv_policy"]["name"] == "streaming"
+    assert args.additional_config["kv_policy"]["budget"] == 256
+    assert "kv_policy" not in parser.parse_args(["--model", "m"]).additional_config
+
+
 def test_the_serve_cli_adds_the_middleware_once():
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser

@@ -1,7 +1,8 @@
 """The issue's stall scenario, on a real server with the real model: SmolLM2 (float32: bf16 is
 emulated, and several times slower, on CPUs without AVX-512; the scenario is the pool's), a pool of
 2,048 tokens set by memory, max_model_len 4,096, `streaming` with budget 128. A 2,800-token
-prompt used to wait forever and hold up every request behind it."""
+prompt used to wait forever and hold up every request behind it. The refusing server runs two API
+server processes (`--api-server-count 2`), whose every check must hold as in one."""
 
 from __future__ import annotations
 
@@ -45,8 +46,16 @@ def long_and_short(base: str, model: str) -> tuple[tuple, tuple]:
 
 @pytest.mark.slow
 def test_full_prefill_refuses_the_long_prompt_at_once_and_serves_the_next(real_model, tmp_path):
-    with served(real_model, *serve_args(real_model), log_dir=tmp_path) as base:
+    # Two API server processes: each checks requests as one does (the policy reaches them
+    # through the parsed flags, not through a plugin patch they load too late).
+    with served(real_model, *serve_args(real_model), "--api-server-count", "2", log_dir=tmp_path) as base:
         (long, long_seconds), (short, short_seconds) = long_and_short(base, real_model)
+        bad = [requests.post(f"{base}/v1/completions", timeout=60, json={
+            "model": real_model, "prompt": "Hello", "max_tokens": 4, **extra}) for extra in
+            ({"vllm_xargs": {"kv_budget": 0}}, {"vllm_xargs": {"kv_budget": 0}}, {"kv_budget": 64})]
+        after, _ = complete(base, real_model, [5, 6, 7], 4)
+    assert [response.status_code for response in bad] == [400, 400, 400], [response.text for response in bad]
+    assert after.status_code == 200, after.text
     assert long.status_code == 400, long.text
     message = long.json()["error"]["message"]
     assert "2800 tokens" in message and "--kv-prefill streaming" in message

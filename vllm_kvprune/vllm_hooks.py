@@ -61,7 +61,8 @@ def install_cli(add_flags: Callable[[Any], Any], check_flags: Callable[[Any], No
                 policy_entry: Callable[[Any], dict | None], config_key: str, http_middleware: str | None = None) -> None:
     """`vllm serve` gains flags (`add_flags(parser)`); `check_flags(namespace)` runs right
     after parsing (so a bad flag stops the CLI before start-up); `policy_entry(namespace)`
-    is stored under `additional_config[config_key]` of the engine args; `http_middleware`
+    is stored under `additional_config[config_key]` of the namespace and of the engine args
+    made from it; `http_middleware`
     (an import path) joins the server's `--middleware` list."""
     from vllm.engine.arg_utils import EngineArgs
 
@@ -76,6 +77,12 @@ def install_cli(add_flags: Callable[[Any], Any], check_flags: Callable[[Any], No
         def parse_known_args(*args, **kwargs):
             namespace, rest = parse(*args, **kwargs)
             check_flags(namespace)
+            # In the namespace itself, so that every process handed it builds its engine args
+            # with the policy: `--api-server-count N` front ends call `from_cli_args` before
+            # they have loaded the plugin (and with it the patch below).
+            entry = policy_entry(namespace) if hasattr(namespace, "additional_config") else None
+            if entry is not None:
+                namespace.additional_config = {**(namespace.additional_config or {}), config_key: entry}
             added = getattr(namespace, "middleware", None)  # only `vllm serve` has it
             if http_middleware and isinstance(added, list) and http_middleware not in added:
                 namespace.middleware = [*added, http_middleware]

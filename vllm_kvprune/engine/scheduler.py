@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from vllm_kvprune import metrics, vllm_hooks
-from vllm_kvprune.config import REPORT_KEY, KVPolicyConfig, policy_from_vllm_config
+from vllm_kvprune.config import REPORT_KEY, KVConfigError, KVPolicyConfig, policy_from_vllm_config
 from vllm_kvprune.engine import checks
 from vllm_kvprune.engine.manager import KVPruneManager
 from vllm_kvprune.vllm_hooks import AsyncScheduler, Scheduler
@@ -54,6 +54,7 @@ class KVPruneSchedulerMixin:
         super().__init__(vllm_config, *args, **kwargs)
         self.kv_policy: KVPolicyConfig = policy_from_vllm_config(vllm_config)
         self.request_policies: dict[str, KVPolicyConfig] = {}
+        self.refused: dict[str, str] = {}  # request -> why its overrides were refused here, until its output
         managers = vllm_hooks.single_type_managers(self)
         self.kvprune_managers = [manager for manager in managers if isinstance(manager, KVPruneManager)]
         for manager in self.kvprune_managers:
@@ -116,9 +117,20 @@ class KVPruneSchedulerMixin:
         )
 
     def add_request(self, request) -> None:
-        # The front end has validated the overrides (HTTP 400 otherwise).
+        # The front end has validated the overrides (HTTP 400 otherwise); one that reaches the
+        # engine unchecked (a front end without the plugin's checks) fails alone, never the engine.
         extra_args = request.sampling_params.extra_args if request.sampling_params else None
-        policy = self.kv_policy.for_request(extra_args)
+        try:
+            policy = self.kv_policy.for_request(extra_args)
+        except KVConfigError as error:
+            self.request_policies[request.request_id] = self.kv_policy
+            super().add_request(request)
+            logger.error("kvprune: request %s: %s; finishing it with an error", request.request_id, error)
+            vllm_hooks.fail_at_next_step(self, request.request_id)
+            self.refused[request.request_id] = f"kvprune: {error}"
+            if self.kvprune_stats is not None:
+                self.kvprune_stats.rejected(error.setting)
+            return
         self.request_policies[request.request_id] = policy
         super().add_request(request)
         if self.kvprune_managers and policy.active:
@@ -154,6 +166,8 @@ class KVPruneSchedulerMixin:
                                     scheduler_output.num_scheduled_tokens, self.request_policies.get,
                                     self.kv_policy.name)
         failures = self._take_failures(model_runner_output)
+        failures.update(self.refused)  # finished in this output too (`fail_at_next_step`)
+        self.refused = {}
         if failures:
             model_runner_output = vllm_hooks.without_tokens(model_runner_output, set(failures))
         outputs = super().update_from_output(scheduler_output, model_runner_output)
