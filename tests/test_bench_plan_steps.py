@@ -29,10 +29,13 @@ def test_every_policy_is_timed_here_and_at_the_revision(tmp_path):
 
 
 def test_the_planned_requests_hold_their_budget():
+    from vllm_kvprune import vllm_hooks
     from vllm_kvprune.bench.gpu_steps import FULL
 
+    all_reduce = vllm_hooks.tp_all_reduce
     for policy in plan_steps.POLICIES:
         timings, kept = plan_steps.measure(policy, 4, kept=True)
         # Within a block of the budget (paged_eviction evicts whole blocks), every request alike.
         assert len(timings) == 4 and len(set(kept)) == 1, policy
         assert FULL.budget - FULL.block_size < kept[0] <= FULL.budget, (policy, kept[0])
+    assert vllm_hooks.tp_all_reduce is all_reduce  # put back: other tests in this process use it

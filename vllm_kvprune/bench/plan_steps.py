@@ -44,8 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def measure(policy: str, steps: int, kept: bool = False) -> list[float] | tuple[list[float], list[int]]:
-    """Planning ms of each decode step (the first 5, warming caches, left out); with `kept`,
-    also the tokens each request holds at the end (its budget, once the maps work)."""
+    """Planning ms of each decode step (the prompt's step and the first 5 decode steps, which
+    warm caches, left out); with `kept`, also the tokens each request holds at the end."""
     from vllm_kvprune import vllm_hooks
     from vllm_kvprune.bench.gpu_steps import FULL as shapes
     from vllm_kvprune.bench.gpu_steps import policy_settings
@@ -53,28 +53,33 @@ def measure(policy: str, steps: int, kept: bool = False) -> list[float] | tuple[
     from vllm_kvprune.worker import runtime
     from vllm_kvprune.worker.state import StepRows, WorkerKVState
 
-    vllm_hooks.tp_all_reduce = lambda tensor: tensor  # one process: the block scores' all-reduce
     blocks_per_request = -(-(shapes.prompt + steps + 64) // shapes.block_size)
     num_blocks = shapes.batch * blocks_per_request + 1
     block_rows = np.random.default_rng(0).permutation(np.arange(1, num_blocks)).reshape(shapes.batch, -1)
     state = WorkerKVState(KVPolicyConfig.from_dict(policy_settings(policy, shapes)))
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(shapes.layers)]
     state.bind_cache(layers, num_blocks, shapes.block_size, shapes.kv_heads, shapes.kv_heads, device="cpu")
-    runtime.install(state)
-    batch, names = shapes.batch, [f"r{i}" for i in range(shapes.batch)]
-    timings = []
     if policy == "h2o":  # attention mass as if attended (random: the victim search's work is the same)
         state.scores.by_slot.uniform_(generator=torch.Generator().manual_seed(0))
-    for step in range(steps + 6):
-        num_new = np.full(batch, shapes.prompt if step == 0 else 1)
-        computed = np.full(batch, 0 if step == 0 else shapes.prompt + step - 1, np.int64)
-        state.rows = StepRows(names, computed, np.full(batch, shapes.prompt), block_rows.astype(np.int32), [None] * batch)
-        started = time.perf_counter()
-        plan = state.plan(np.concatenate([[0], np.cumsum(num_new)]), shapes.block_size)
-        timings.append(1e3 * (time.perf_counter() - started))
-        if plan.head_slot_mapping is not None:
-            _prune_prompts_per_head(state, plan)
-    runtime.install(None)
+    batch, names = shapes.batch, [f"r{i}" for i in range(shapes.batch)]
+    timings = []
+    # One process: the block scores' all-reduce is the identity (restored after, as in gpu-steps).
+    all_reduce, vllm_hooks.tp_all_reduce = vllm_hooks.tp_all_reduce, lambda tensor: tensor
+    runtime.install(state)
+    try:
+        for step in range(steps + 6):
+            num_new = np.full(batch, shapes.prompt if step == 0 else 1)
+            computed = np.full(batch, 0 if step == 0 else shapes.prompt + step - 1, np.int64)
+            state.rows = StepRows(names, computed, np.full(batch, shapes.prompt), block_rows.astype(np.int32),
+                                  [None] * batch)
+            started = time.perf_counter()
+            plan = state.plan(np.concatenate([[0], np.cumsum(num_new)]), shapes.block_size)
+            timings.append(1e3 * (time.perf_counter() - started))
+            if plan.head_slot_mapping is not None:
+                _prune_prompts_per_head(state, plan)
+    finally:
+        runtime.install(None)
+        vllm_hooks.tp_all_reduce = all_reduce
     failed = [request_id for request_id, request in state.requests.items() if request.failure is not None]
     if failed:
         raise RuntimeError(f"plan-steps: {policy}: requests failed: {failed[:3]}")
