@@ -45,7 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def measure(policy: str, steps: int, kept: bool = False) -> list[float] | tuple[list[float], list[int]]:
     """Planning ms of each decode step (the prompt's step and the first 5 decode steps, which
-    warm caches, left out); with `kept`, also the tokens each request holds at the end."""
+    warm caches, left out); with `kept`, also the tokens each request holds at the end.
+    It runs inside the tree being timed (`--against`), so it uses only what revisions older
+    than this file have: hence its own block table, as `gpu_steps.PolicySteps` builds one."""
     from vllm_kvprune import vllm_hooks
     from vllm_kvprune.bench.gpu_steps import FULL as shapes
     from vllm_kvprune.bench.gpu_steps import policy_settings

@@ -121,18 +121,18 @@ class KVPruneSchedulerMixin:
         # engine unchecked (a front end without the plugin's checks) fails alone, never the engine.
         extra_args = request.sampling_params.extra_args if request.sampling_params else None
         try:
-            policy = self.kv_policy.for_request(extra_args)
+            policy, refusal = self.kv_policy.for_request(extra_args), None
         except KVConfigError as error:
-            self.request_policies[request.request_id] = self.kv_policy
-            super().add_request(request)
-            logger.error("kvprune: request %s: %s; finishing it with an error", request.request_id, error)
-            vllm_hooks.fail_at_next_step(self, request.request_id)
-            self.refused[request.request_id] = f"kvprune: {error}"
-            if self.kvprune_stats is not None:
-                self.kvprune_stats.rejected(error.setting)
-            return
+            policy, refusal = self.kv_policy, error  # held to the engine's until it is finished
         self.request_policies[request.request_id] = policy
         super().add_request(request)
+        if refusal is not None:
+            logger.error("kvprune: request %s: %s; finishing it with an error", request.request_id, refusal)
+            vllm_hooks.fail_at_next_step(self, request.request_id)
+            self.refused[request.request_id] = f"kvprune: {refusal}"
+            if self.kvprune_stats is not None:
+                self.kvprune_stats.rejected(refusal.setting)
+            return
         if self.kvprune_managers and policy.active:
             needed = self.peak_blocks(policy, request.num_prompt_tokens)
             if needed > self.usable_blocks:

@@ -81,23 +81,25 @@ class LayerBlockMap:
         if len(positions) == 1 and not self.tail_full:  # a decode step's token: into every layer's tail
             slots = self.order[:, -1:] * self.block_size + self.num_valid % self.block_size
             self.num_valid += 1
-            if self._logical is not None:
-                self._grow_logical(int(slots.max()) + 1)
-                self._logical[self._layers, slots] = positions
-            return slots
-        slots = np.empty((self.num_layers, len(positions)), np.int64)
-        done = 0
-        while done < len(positions):
-            if self.tail_full:
-                self._open_tail()
-            offset = self.num_valid % self.block_size
-            count = min(len(positions) - done, self.block_size - offset)
-            slots[:, done:done + count] = self.order[:, -1:] * self.block_size + offset + np.arange(count)
-            self.num_valid += count
-            done += count
+        else:
+            slots = self._fill_tails(len(positions))
         if self._logical is not None:
             self._grow_logical(int(slots.max()) + 1)
             self._logical[self._layers, slots] = positions
+        return slots
+
+    def _fill_tails(self, count: int) -> np.ndarray:
+        """Local slots `[layers, count]` for `count` new tokens, tail after tail (opened as needed)."""
+        slots = np.empty((self.num_layers, count), np.int64)
+        done = 0
+        while done < count:
+            if self.tail_full:
+                self._open_tail()
+            offset = self.num_valid % self.block_size
+            chunk = min(count - done, self.block_size - offset)
+            slots[:, done:done + chunk] = self.order[:, -1:] * self.block_size + offset + np.arange(chunk)
+            self.num_valid += chunk
+            done += chunk
         return slots
 
     def _open_tail(self) -> None:

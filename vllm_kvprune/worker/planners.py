@@ -80,7 +80,10 @@ class RowPlanner:
     def attach_map(cls, state: RequestKVState, scores: Any) -> None:
         """Give a new (or restarted) request the map this planner plans."""
 
-    searches_ahead = False  # whether `search_ahead` does anything (else its rows are not built)
+    @classmethod
+    def searches_ahead(cls) -> bool:
+        """Whether this planner overrides `search_ahead` (a step builds no rows for it otherwise)."""
+        return cls.search_ahead is not RowPlanner.search_ahead
 
     def search_ahead(self, rows: list[Row]) -> None:
         """Before any row is planned: work the planner can do for all of the step's rows at
@@ -229,8 +232,6 @@ class BlockPlanner(RowPlanner):
     def attach_map(cls, state: RequestKVState, scores: Any) -> None:
         state.blocks = LayerBlockMap(scores.num_layers, scores.block_size)
 
-    searches_ahead = True
-
     def search_ahead(self, rows: list[Row]) -> None:
         """The block means of every row that evicts in decode this step, read in one go (on a
         GPU's table: one gather and one copy back, not one per request)."""
@@ -326,8 +327,6 @@ class HeadPlanner(RowPlanner):
                 heads.truncate(config.budget - 1)
         self.head_slots.append(self._global(row.block_row, local))
         self.seq_lens.append(kept_before_new + row.num_new)
-
-    searches_ahead = True
 
     def search_ahead(self, rows: list[Row]) -> None:
         """The victims of every row that evicts in decode this step, in one search (on a

@@ -329,7 +329,8 @@ class WorkerKVState:
                 f"{'no rows' if rows is None else f'{len(rows.req_ids)} requests'} for it")
         started = time.perf_counter()
         builder = _PlanBuilder(block_size, self.scores)
-        builder.search_ahead(self._known_rows(rows, query_start_loc))
+        if PLANNERS[self.policy.granularity].searches_ahead():  # the engine's policy: every row's kind
+            builder.search_ahead(self._known_rows(rows, query_start_loc))
         live_rows = []  # each row's block-table row as its map numbers blocks
         for row in range(num_reqs):
             request_id = rows.req_ids[row]
@@ -361,15 +362,12 @@ class WorkerKVState:
 
     def _known_rows(self, rows: StepRows, query_start_loc: np.ndarray) -> list[Row]:
         """The step's rows of requests already running and not failed, as the loop in `plan`
-        will add them (a new or restarted request is left out: its state is made there); none
-        where the step's planner searches nothing ahead."""
+        will add them (a new or restarted request is left out: its state is made there)."""
         known = []
         for index, request_id in enumerate(rows.req_ids):
             state = self.requests.get(request_id)
             if state is None or state.failure is not None or state.pages is not None:
                 continue
-            if not known and not PLANNERS[state.policy.granularity].searches_ahead:
-                return []  # nothing to search for: spare building the rows
             known.append(Row(state, int(query_start_loc[index]), int(rows.num_computed[index]),
                              int(query_start_loc[index + 1] - query_start_loc[index]), int(rows.num_prompt[index]),
                              rows.block_rows[index]))
