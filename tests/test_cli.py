@@ -51,6 +51,18 @@ BAD_FLAGS = [
     (["--kv-policy", "gvote", "--kv-gvote-seed", "-1"], "--kv-gvote-seed: must be >= 0"),
     (["--kv-policy", "gvote", "--kv-budget", "256"], "--kv-budget: policy 'gvote' chooses its own footprint"),
     (["--kv-policy", "gvote", "--kv-prefill", "streaming"], "--kv-prefill: policy 'gvote' supports only 'full'"),
+    # vLLM features no policy runs with: refused at the flags too, not by a traceback at start-up.
+    (["--kv-policy", "streaming", "--kv-budget", "256", "--pipeline-parallel-size", "2"],
+     "--pipeline-parallel-size: kv_policy 'streaming' cannot run with pipeline parallelism"),
+    (["--kv-policy", "h2o", "--kv-budget", "256", "--decode-context-parallel-size", "2"],
+     "--decode-context-parallel-size: kv_policy 'h2o' cannot run with context parallelism"),
+    (["--kv-policy", "h2o", "--kv-budget", "256", "--kv-offloading-size", "4"],
+     "--kv-offloading-size: kv_policy 'h2o' cannot run with a KV connector"),
+    (["--kv-policy", "gvote", "--kv-transfer-config", '{"kv_connector": "ExampleConnector", "kv_role": "kv_both"}'],
+     "--kv-transfer-config: kv_policy 'gvote' cannot run with a KV connector"),
+    (["--kv-policy", "paged_eviction", "--kv-budget", "512", "--speculative-config",
+      '{"method": "ngram", "num_speculative_tokens": 2}'],
+     "--speculative-config: kv_policy 'paged_eviction' cannot run with speculative decoding"),
 ]
 
 

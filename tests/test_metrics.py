@@ -124,3 +124,60 @@ def test_the_overhead_stopwatch_times_outermost_calls_once() -> None:
     assert owner.outer() == 2 and watch.calls == 1
     assert 0.02 <= watch.seconds < 0.2
     assert owner.inner() == 1 and watch.calls == 2 and watch.seconds >= 0.04
+
+
+# One process of a server with several API servers: an engine core (its prometheus_client
+# imported before the folder was set, as in a process forked from vLLM's front end) or a
+# front end refusing requests.
+_MULTIPROCESS_ROLE = """
+import os, sys, types
+import prometheus_client  # before the folder is known: values would stay in memory
+os.environ["PROMETHEUS_MULTIPROC_DIR"] = sys.argv[2]
+from vllm_kvprune import metrics
+from vllm_kvprune.metrics.engine import EngineStats
+from vllm_kvprune.metrics.exporter import record_rejection
+config = types.SimpleNamespace(model_config=types.SimpleNamespace(served_model_name=["tiny"]),
+                               parallel_config=types.SimpleNamespace(data_parallel_rank=int(sys.argv[3])),
+                               instance_id="i")
+if sys.argv[1] == "engine":
+    stats = EngineStats(config, sys.argv[4])
+    stats.returned(3, "h2o")
+    stats.observe("step_seconds", 0.002, metrics.SECONDS_BUCKETS, policy="h2o", phase="plan")
+    stats.observe("step_seconds", 0.02, metrics.SECONDS_BUCKETS, policy="h2o", phase="plan")
+    stats.set_gauge("blocks_held", 5.0)
+    stats.set_gauge("blocks_held", 7.0)
+    stats.rejected("prompt")
+else:
+    for _ in range(int(sys.argv[3])):
+        record_rejection(config, "kv_budget")
+"""
+
+
+def test_several_api_servers_add_up_every_process_in_prometheus_files(tmp_path) -> None:
+    """With several API servers vLLM answers /metrics from Prometheus' multiprocess files only:
+    two engines and two front ends write there, and the files add up to every one's counts."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.multiprocess import MultiProcessCollector
+    from prometheus_client.parser import text_string_to_metric_families
+
+    folder = tmp_path / "prometheus"
+    folder.mkdir()
+    for role, number in (("engine", 0), ("engine", 1), ("frontend", 2), ("frontend", 3)):
+        subprocess.run([sys.executable, "-c", _MULTIPROCESS_ROLE, role, str(folder), str(number), str(tmp_path)],
+                       check=True, timeout=120)
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=str(folder))
+    values = {(s.name, frozenset(s.labels.items())): s.value
+              for family in text_string_to_metric_families(generate_latest(registry).decode())
+              for s in family.samples}
+    for engine in ("0", "1"):
+        base = {("model_name", "tiny"), ("engine", engine)}
+        assert values[("vllm:kvprune_blocks_returned_total", frozenset(base | {("policy", "h2o")}))] == 3
+        assert values[("vllm:kvprune_blocks_held", frozenset(base))] == 7  # the last value set
+        plan = base | {("policy", "h2o"), ("phase", "plan")}
+        assert values[("vllm:kvprune_step_seconds_bucket", frozenset(plan | {("le", "0.001")}))] == 0
+        assert values[("vllm:kvprune_step_seconds_bucket", frozenset(plan | {("le", "0.003")}))] == 1
+        assert values[("vllm:kvprune_step_seconds_bucket", frozenset(plan | {("le", "+Inf")}))] == 2
+        assert values[("vllm:kvprune_requests_rejected_total", frozenset(base | {("setting", "prompt")}))] == 1
+    frontend = {("model_name", "tiny"), ("engine", "frontend"), ("setting", "kv_budget")}
+    assert values[("vllm:kvprune_requests_rejected_total", frozenset(frontend))] == 2 + 3

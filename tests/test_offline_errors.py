@@ -32,3 +32,22 @@ def test_speculative_decoding_refused(tiny_model):
     with pytest.raises(ValueError, match="cannot run with speculative decoding"):
         make_llm(tiny_model, {"name": "streaming", "budget": 64},
                  speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})
+
+
+@pytest.mark.parametrize("option, flag", [
+    ({"kv_transfer_config": {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                             "kv_connector_extra_config": {"shared_storage_path": "/tmp/kvprune-never-written"}}},
+     "--kv-transfer-config"),
+    ({"kv_offloading_size": 1.0}, "--kv-offloading-size"),
+])
+def test_kv_connectors_refused(tiny_model, option, flag):
+    # A connector saves and loads whole token rows; with ExampleConnector, streaming's second
+    # run over the same prompts answered differently from the first (and from no connector).
+    with pytest.raises(ValueError, match=f"cannot run with a KV connector: .*; remove {flag}"):
+        make_llm(tiny_model, {"name": "streaming", "budget": 64}, **option)
+
+
+def test_pipeline_parallelism_refused(tiny_model):
+    with pytest.raises(ValueError, match=r"cannot run with pipeline parallelism: .*; remove --pipeline-parallel-size 2 "
+                                         r"\(tensor parallelism is supported\)"):
+        make_llm(tiny_model, {"name": "h2o", "budget": 64}, pipeline_parallel_size=2)

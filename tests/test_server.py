@@ -2,6 +2,7 @@
 the field, and the server keeps serving the next (good) request; a request the policy fails
 for is a 500 while the others are served as if it had not been there."""
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -181,3 +182,39 @@ def test_a_request_the_policy_fails_for_fails_alone(server):
         == 1
     assert _total(after, "vllm:kvprune_blocks_held") == 0
     assert complete(prompts[0]).json()["choices"][0]["text"] == alone[0]  # and it goes on serving
+
+
+@pytest.mark.slow
+def test_data_parallel_engines_each_run_the_policy(tiny_model, tmp_path, monkeypatch):
+    """`--data-parallel-size 2`: two engine cores (one core each here), each with its own
+    scheduler and worker maps, and two API servers (vLLM's default for it). The same prompt
+    sent six times at once, three to each engine, answers the same tokens on both, every
+    answer kept its budget, and /metrics counts each engine's three under its `engine` label."""
+    pool_bytes = 128 * page_bytes(tiny_model, {"dtype": "float32", "block_size": 32})
+    body = {"model": tiny_model, "prompt": "The quick brown fox", "max_tokens": 100, "temperature": 0,
+            "ignore_eos": True, "vllm_xargs": {"kv_report": True}}
+    with served(tiny_model, "--dtype", "float32", "--enforce-eager", "--block-size", "32", "--max-model-len", "1024",
+                "--kv-cache-memory-bytes", str(pool_bytes), "--kv-policy", "streaming", "--kv-budget", "64",
+                "--data-parallel-size", "2", log_dir=tmp_path, timeout=300,
+                env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) as base:
+        with ThreadPoolExecutor(6) as pool:  # three to each engine (vLLM's routing header)
+            answers = list(pool.map(lambda rank: requests.post(f"{base}/v1/completions", json=body, timeout=300,
+                                                               headers={"X-data-parallel-rank": str(rank % 2)}),
+                                    range(6)))
+        bad = requests.post(f"{base}/v1/completions", json={**body, "vllm_xargs": {"kv_budget": 0}}, timeout=60)
+        deadline, values = time.monotonic() + 10, _scrape(base)
+        while _total(values, "vllm:kvprune_request_kept_tokens_count", heads="mean") < 6 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            values = _scrape(base)
+    assert all(answer.status_code == 200 for answer in answers), [answer.text for answer in answers]
+    assert len({answer.json()["choices"][0]["text"] for answer in answers}) == 1
+    for answer in answers:
+        report = answer.json()["kv_transfer_params"]["kvprune"]
+        assert report["kept_tokens_max"] <= 65 and report["blocks_held"] < report["blocks_without_policy"], report
+    assert bad.status_code == 400 and "kv_budget" in bad.json()["error"]["message"]
+    assert _total(values, "vllm:kvprune_request_kept_tokens_count", heads="mean") == 6
+    engines = {dict(labels)["engine"] for name, labels in values if name == "vllm:kvprune_request_kept_tokens_count"}
+    assert engines == {"0", "1"}, engines
+    for engine in engines:
+        assert _total(values, "vllm:kvprune_request_kept_tokens_count", heads="mean", engine=engine) == 3
+    assert _total(values, "vllm:kvprune_requests_rejected_total", engine="frontend", setting="kv_budget") == 1

@@ -14,6 +14,7 @@ import pytest
 import requests
 
 from conftest import page_bytes, served
+from test_server import _scrape, _total
 
 POOL_BLOCKS = 64
 LONG_PROMPT = 2800
@@ -44,6 +45,17 @@ def long_and_short(base: str, model: str) -> tuple[tuple, tuple]:
         return long.result(), short.result()
 
 
+def _scrape_until(base: str, ready, seconds: float = 10.0) -> dict:
+    """/metrics once `ready(values)` holds (an engine writes what it counted within a step or
+    two), or as it is after `seconds`."""
+    deadline = time.monotonic() + seconds
+    values = _scrape(base)
+    while not ready(values) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        values = _scrape(base)
+    return values
+
+
 @pytest.mark.slow
 def test_full_prefill_refuses_the_long_prompt_at_once_and_serves_the_next(real_model, tmp_path):
     # Two API server processes: each checks requests as one does (the policy reaches them
@@ -54,7 +66,15 @@ def test_full_prefill_refuses_the_long_prompt_at_once_and_serves_the_next(real_m
             "model": real_model, "prompt": "Hello", "max_tokens": 4, **extra}) for extra in
             ({"vllm_xargs": {"kv_budget": 0}}, {"vllm_xargs": {"kv_budget": 0}}, {"kv_budget": 64})]
         after, _ = complete(base, real_model, [5, 6, 7], 4)
+        # /metrics of several API servers reads Prometheus' multiprocess files: every front
+        # end's refusals and the engine's totals, whichever process answers the scrape.
+        scrapes = [_scrape_until(base, lambda values: _total(values, "vllm:kvprune_request_kept_tokens_count") >= 2)
+                   for _ in range(4)]
     assert [response.status_code for response in bad] == [400, 400, 400], [response.text for response in bad]
+    for values in scrapes:
+        assert _total(values, "vllm:kvprune_requests_rejected_total", engine="frontend", setting="kv_budget") == 3
+        assert _total(values, "vllm:kvprune_request_kept_tokens_count", engine="0", heads="mean") == 2  # short, after
+        assert ("vllm:kvprune_blocks_held", frozenset({("model_name", real_model), ("engine", "0")})) in values
     assert after.status_code == 200, after.text
     assert long.status_code == 400, long.text
     message = long.json()["error"]["message"]

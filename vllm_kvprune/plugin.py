@@ -13,7 +13,7 @@ import logging
 import sys
 from pathlib import Path
 
-from vllm_kvprune import admission, gpu_on_cpu, http_settings, vllm_hooks
+from vllm_kvprune import admission, gpu_on_cpu, http_settings, unsupported, vllm_hooks
 
 from vllm_kvprune.config import (
     ADDITIONAL_CONFIG_KEY,
@@ -197,6 +197,7 @@ def policy_from_args(args) -> KVPolicyConfig | None:
     if policy.name not in AVAILABLE_POLICIES:
         raise KVConfigError(CLI.name("policy"), f"policy {policy.name} is not available yet")
     check_fdc_file(policy, getattr(args, "model", None), CLI)
+    unsupported.check(policy.name, args)
     return policy
 
 
@@ -241,11 +242,10 @@ def _prepare_engine_args(engine_args) -> KVPolicyConfig | None:
     require_installed("front end")
     if policy.name not in AVAILABLE_POLICIES:
         raise KVConfigError(f"{ADDITIONAL_CONFIG_KEY}.name", f"policy {policy.name} is not available yet")
-    if engine_args.speculative_config:
-        raise ValueError(
-            f"kv_policy {policy.name!r} cannot run with speculative decoding: a multi-token "
-            "decode step would attend over evicted slots; remove --speculative-config"
-        )
+    try:
+        unsupported.check(policy.name, engine_args)
+    except KVConfigError as exc:
+        raise ValueError(exc.problem) from None
     if policy.name == "gvote" and not engine_args.enforce_eager:
         # The vote reads each layer's query-projection input through a module hook, which a
         # compiled graph would not run.
@@ -273,7 +273,6 @@ def _adjust_vllm_config(vllm_config, policy: KVPolicyConfig) -> None:
     else:
         raise ValueError(f"kv_policy {policy.name!r} is not available on {current_platform.device_name} "
                          "(CPU, CUDA and ROCm only)")
-    _check_context_parallel(policy, vllm_config.parallel_config)
     block_size = vllm_config.cache_config.block_size
     policy.check_engine(block_size)
     check_fdc_file(policy, vllm_config.model_config.model)
@@ -292,16 +291,6 @@ def scheduler_cls(async_scheduling: bool | None) -> str:
     """Our scheduler over the one vLLM would run: vLLM has resolved `async_scheduling` by the
     time the engine config is adjusted (on unless something rules it out; off on a CPU)."""
     return ASYNC_SCHEDULER_CLS if async_scheduling else SCHEDULER_CLS
-
-
-def _check_context_parallel(policy: KVPolicyConfig, parallel) -> None:
-    """Context parallelism splits one request's tokens over ranks; the policies' maps hold a
-    request's slots whole on every rank (tensor parallelism splits heads, which they follow)."""
-    for flag, size in (("--decode-context-parallel-size", parallel.decode_context_parallel_size),
-                       ("--prefill-context-parallel-size", parallel.prefill_context_parallel_size)):
-        if size > 1:
-            raise ValueError(f"kv_policy {policy.name!r} does not run with context parallelism; {flag} {size} "
-                             "is not supported (tensor parallelism is)")
 
 
 def _check_gpu_policy(policy: KVPolicyConfig) -> None:

@@ -21,6 +21,7 @@ from collections import defaultdict
 from typing import Any
 
 from vllm_kvprune import metrics
+from vllm_kvprune.metrics import multiprocess
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -38,13 +39,21 @@ class Histogram:
         self.sum += value
 
 
+def engine_index(parallel_config: Any) -> int:
+    """The engine's data-parallel rank, as vLLM's own metrics label it. A dense model's DP
+    engines are independent: vLLM resets each one's `data_parallel_rank` to 0 and keeps the
+    rank in `data_parallel_index` (an MoE's keep both)."""
+    index = getattr(parallel_config, "data_parallel_index", None)
+    return int(index if index is not None else getattr(parallel_config, "data_parallel_rank", 0) or 0)
+
+
 class EngineStats:
     """One engine core's totals, labelled by model and engine index, and their snapshot file."""
 
     def __init__(self, vllm_config: Any, folder: str) -> None:
         names = vllm_config.model_config.served_model_name
         self.labels = {"model_name": names[0] if isinstance(names, (list, tuple)) else str(names),
-                       "engine": str(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)}
+                       "engine": str(engine_index(vllm_config.parallel_config))}
         self.path = os.path.join(folder, f"engine-{os.getpid()}-{vllm_config.instance_id or 'x'}"
                                          f"-{self.labels['engine']}.json")
         self.counters: dict[tuple[str, Labels], float] = defaultdict(float)
@@ -53,34 +62,45 @@ class EngineStats:
         self._kept: dict[str, tuple[float, int]] = {}  # request -> last reported (mean, max)
         self._last_write = 0.0
         self._dirty = True
+        # Several API servers: /metrics reads Prometheus' multiprocess files, not our snapshot.
+        self._mirror = multiprocess.PrometheusMirror(self.labels) if multiprocess.active() else None
 
     # ---- counting --------------------------------------------------------------------
     def count(self, name: str, value: float = 1.0, **labels: str) -> None:
         self.counters[(name, tuple(sorted(labels.items())))] += value
         self._dirty = True
+        if self._mirror is not None:
+            self._mirror.count(name, value, labels)
 
     def observe(self, name: str, value: float, bounds: tuple[float, ...], **labels: str) -> None:
         key = (name, tuple(sorted(labels.items())))
         self.histograms.setdefault(key, Histogram(bounds)).observe(value)
         self._dirty = True
+        if self._mirror is not None:
+            self._mirror.observe(name, value, bounds, labels)
 
     def set_gauge(self, name: str, value: float, **labels: str) -> None:
         key = (name, tuple(sorted(labels.items())))
         if self.gauges.get(key) != value:
             self.gauges[key] = value
             self._dirty = True
+            if self._mirror is not None:
+                self._mirror.set_gauge(name, value, labels)
 
     # ---- what the scheduler sees -------------------------------------------------------
     def step(self, report: dict, scheduled_tokens: dict[str, int], policy_of: Any, engine_policy: str) -> None:
         """One step's worker report (`WorkerKVState.step_report`) with the tokens each request
         ran in it (`SchedulerOutput.num_scheduled_tokens`)."""
+        evicted_by_policy: dict[str, float] = defaultdict(float)  # one count per policy and step
         for request_id, (mean, largest) in report.get("kept", {}).items():
             held_before = self._kept.get(request_id, (0.0, 0))[0]
             evicted = held_before + scheduled_tokens.get(request_id, 0) - mean
             if evicted > 0:
                 policy = policy_of(request_id)
-                self.count("tokens_evicted", evicted, policy=policy.name if policy is not None else engine_policy)
+                evicted_by_policy[policy.name if policy is not None else engine_policy] += evicted
             self._kept[request_id] = (mean, largest)
+        for policy_name, evicted in evicted_by_policy.items():
+            self.count("tokens_evicted", evicted, policy=policy_name)
         for phase, seconds in report.get("seconds", {}).items():
             if seconds > 0:
                 self.observe("step_seconds", seconds, metrics.SECONDS_BUCKETS, policy=engine_policy, phase=phase)

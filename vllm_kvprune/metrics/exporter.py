@@ -12,11 +12,13 @@ from collections import defaultdict
 from typing import Any, Iterator
 
 from vllm_kvprune import metrics
+from vllm_kvprune.metrics import multiprocess
 
 _lock = threading.Lock()
 # (model_name, setting) -> requests this front end refused (HTTP 400 / ValueError).
 _frontend_rejections: dict[tuple[str, str], int] = defaultdict(int)
 _registered = False
+_mirrors: dict[str, multiprocess.PrometheusMirror] = {}  # model -> this front end's refusals, multiprocess
 
 
 def record_rejection(vllm_config: Any, setting: str) -> None:
@@ -25,6 +27,10 @@ def record_rejection(vllm_config: Any, setting: str) -> None:
     model = names[0] if isinstance(names, (list, tuple)) else str(names)
     with _lock:
         _frontend_rejections[(model, setting)] += 1
+        if multiprocess.active():  # several API servers: /metrics adds up every one's files
+            if model not in _mirrors:
+                _mirrors[model] = multiprocess.PrometheusMirror({"model_name": model, "engine": "frontend"})
+            _mirrors[model].count("requests_rejected", 1.0, {"setting": setting})
 
 
 def _alive(pid: int) -> bool:
@@ -99,8 +105,8 @@ class KVPruneCollector:
 
 
 def register_collector() -> None:
-    """Once per process: the collector joins the registry vLLM's `/metrics` serves (with a
-    single API server; several use Prometheus' multiprocess files, which it does not write)."""
+    """Once per process: the collector joins the registry vLLM's `/metrics` serves with a
+    single API server (several read Prometheus' multiprocess files: `multiprocess.py`)."""
     global _registered
     if _registered:
         return

@@ -1,0 +1,47 @@
+"""vLLM features no KV policy runs with, refused before start-up and named by their flag.
+
+Each is checked on the user's own settings: the parsed `vllm serve` flags (exit 2 with one
+line, before anything starts) and the engine args (`LLM(...)`, and anything that bypassed
+the flags, with a ValueError). The names are both `EngineArgs` fields and `vllm serve`
+namespace attributes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_kvprune.config import KVConfigError
+
+_CONNECTOR = ("a KV connector: it saves and loads a request's blocks as whole token rows in order, "
+              "while under a policy a block holds the slots the policy kept")
+_CONTEXT = "context parallelism: a policy's maps hold a request's slots whole on every rank"
+
+# (EngineArgs field, its flag, what it turns on and why a policy cannot run with it).
+FEATURES: tuple[tuple[str, str, str], ...] = (
+    ("speculative_config", "--speculative-config",
+     "speculative decoding: a multi-token decode step would attend over evicted slots"),
+    ("kv_transfer_config", "--kv-transfer-config", _CONNECTOR),
+    ("kv_offloading_size", "--kv-offloading-size", _CONNECTOR),
+    ("pipeline_parallel_size", "--pipeline-parallel-size",
+     "pipeline parallelism: only the last stage's step output reaches the scheduler, so the other "
+     "stages' reports (a vote's footprints, what each layer kept) would be lost"),
+    ("decode_context_parallel_size", "--decode-context-parallel-size", _CONTEXT),
+    ("prefill_context_parallel_size", "--prefill-context-parallel-size", _CONTEXT),
+)
+
+
+def _turned_on(value: Any) -> bool:
+    """A config or size given: a parallel size counts from 2."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value > 1
+    return bool(value)
+
+
+def check(policy_name: str, settings: Any) -> None:
+    """Raise `KVConfigError` (the setting is the flag) for the first feature `settings` turn on."""
+    for field, flag, why in FEATURES:
+        value = getattr(settings, field, None)
+        if _turned_on(value):
+            given = f" {value}" if isinstance(value, int) and not isinstance(value, bool) else ""
+            raise KVConfigError(flag, f"kv_policy {policy_name!r} cannot run with {why}; remove {flag}{given}"
+                                      + (" (tensor parallelism is supported)" if "parallel" in field else ""))
