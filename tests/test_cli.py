@@ -63,6 +63,8 @@ BAD_FLAGS = [
     (["--kv-policy", "paged_eviction", "--kv-budget", "512", "--speculative-config",
       '{"method": "ngram", "num_speculative_tokens": 2}'],
      "--speculative-config: kv_policy 'paged_eviction' cannot run with speculative decoding"),
+    (["--kv-policy", "streaming", "--kv-budget", "256", "--runner", "pooling"],
+     "--runner: kv_policy 'streaming' cannot run with a pooling model"),
 ]
 
 

@@ -51,3 +51,10 @@ def test_pipeline_parallelism_refused(tiny_model):
     with pytest.raises(ValueError, match=r"cannot run with pipeline parallelism: .*; remove --pipeline-parallel-size 2 "
                                          r"\(tensor parallelism is supported\)"):
         make_llm(tiny_model, {"name": "h2o", "budget": 64}, pipeline_parallel_size=2)
+
+
+@pytest.mark.parametrize("option", [{"runner": "pooling"}, {"convert": "embed"}])
+def test_pooling_models_refused(tiny_model, option):
+    # Before: vLLM's pooling runner failed the engine on our request validator, far from the cause.
+    with pytest.raises(ValueError, match="cannot run with a pooling model: it runs each prompt once"):
+        make_llm(tiny_model, {"name": "streaming", "budget": 64}, **option)

@@ -273,6 +273,7 @@ def _adjust_vllm_config(vllm_config, policy: KVPolicyConfig) -> None:
     else:
         raise ValueError(f"kv_policy {policy.name!r} is not available on {current_platform.device_name} "
                          "(CPU, CUDA and ROCm only)")
+    unsupported.check_model(policy.name, vllm_config.model_config.runner_type)
     block_size = vllm_config.cache_config.block_size
     policy.check_engine(block_size)
     check_fdc_file(policy, vllm_config.model_config.model)

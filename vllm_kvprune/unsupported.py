@@ -12,6 +12,8 @@ from typing import Any
 
 from vllm_kvprune.config import KVConfigError
 
+_POOLING = ("a pooling model: it runs each prompt once and decodes nothing, so there is no cache to prune "
+            "(and vLLM's pooling runner takes no request checks)")
 _CONNECTOR = ("a KV connector: it saves and loads a request's blocks as whole token rows in order, "
               "while under a policy a block holds the slots the policy kept")
 _CONTEXT = "context parallelism: a policy's maps hold a request's slots whole on every rank"
@@ -27,11 +29,14 @@ FEATURES: tuple[tuple[str, str, str], ...] = (
      "stages' reports (a vote's footprints, what each layer kept) would be lost"),
     ("decode_context_parallel_size", "--decode-context-parallel-size", _CONTEXT),
     ("prefill_context_parallel_size", "--prefill-context-parallel-size", _CONTEXT),
+    ("runner", "--runner", _POOLING),
 )
 
 
-def _turned_on(value: Any) -> bool:
-    """A config or size given: a parallel size counts from 2."""
+def _turned_on(field: str, value: Any) -> bool:
+    """A config or size given (a parallel size counts from 2), or the pooling runner asked for."""
+    if field == "runner":
+        return value == "pooling"
     if isinstance(value, int) and not isinstance(value, bool):
         return value > 1
     return bool(value)
@@ -41,7 +46,14 @@ def check(policy_name: str, settings: Any) -> None:
     """Raise `KVConfigError` (the setting is the flag) for the first feature `settings` turn on."""
     for field, flag, why in FEATURES:
         value = getattr(settings, field, None)
-        if _turned_on(value):
-            given = f" {value}" if isinstance(value, int) and not isinstance(value, bool) else ""
+        if _turned_on(field, value):
+            given = f" {value}" if isinstance(value, (int, str)) and not isinstance(value, bool) else ""
             raise KVConfigError(flag, f"kv_policy {policy_name!r} cannot run with {why}; remove {flag}{given}"
                                       + (" (tensor parallelism is supported)" if "parallel" in field else ""))
+
+
+def check_model(policy_name: str, runner_type: str) -> None:
+    """What the engine config resolved: a pooling model picked by `--runner auto` (an
+    embedding model's architecture, or `--convert`) is refused as one asked for."""
+    if runner_type == "pooling":
+        raise ValueError(f"kv_policy {policy_name!r} cannot run with {_POOLING}")
