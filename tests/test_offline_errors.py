@@ -58,3 +58,13 @@ def test_pooling_models_refused(tiny_model, option):
     # Before: vLLM's pooling runner failed the engine on our request validator, far from the cause.
     with pytest.raises(ValueError, match="cannot run with a pooling model: it runs each prompt once"):
         make_llm(tiny_model, {"name": "streaming", "budget": 64}, **option)
+
+
+def test_mla_models_refused():
+    # DeepSeek-style MLA: before, the CPU MLA backend's block size (16) was refused as if the
+    # user had asked for it ("--block-size: must be a multiple of 32").
+    from vllm_kvprune.model_zoo import zoo_model_dir
+
+    model = str(zoo_model_dir("deepseek-mla"))
+    with pytest.raises(ValueError, match=r"cannot run with MLA attention \(DeepseekV2ForCausalLM: a latent KV cache"):
+        make_llm(model, {"name": "paged_eviction", "budget": 384})

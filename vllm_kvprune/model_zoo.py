@@ -113,6 +113,12 @@ ZOO: dict[str, ZooModel] = {model.name: model for model in (
                                    "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
                   tie_word_embeddings=False),
              ("attention sinks (learned)", "hybrid sliding/full layers", "RoPE scaling (YaRN)")),
+    # vLLM's CPU MLA kernel takes only DeepSeek's latent width (512 + 64); dense layers (no MoE).
+    ZooModel("deepseek-mla", "DeepseekV2Config", "DeepseekV2ForCausalLM",
+             dict(**{**_SMALL, "num_key_value_heads": 4}, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
+                  qk_nope_head_dim=32, v_head_dim=32, first_k_dense_replace=2, moe_intermediate_size=64,
+                  n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, tie_word_embeddings=False),
+             ("MLA (a latent KV cache shared by all heads)",)),
     ZooModel("llama-fp8", "LlamaConfig", "LlamaForCausalLM",
              dict(**_SMALL, head_dim=32, rope_parameters=_ROPE, tie_word_embeddings=False),
              ("fp8 KV cache",), engine_args={"kv_cache_dtype": "fp8"}),

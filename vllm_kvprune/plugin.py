@@ -261,6 +261,7 @@ def _adjust_vllm_config(vllm_config, policy: KVPolicyConfig) -> None:
     global _frontend_policy, _frontend_block_size, _frontend_vllm_config
     from vllm.platforms import current_platform
 
+    unsupported.check_model(policy.name, vllm_config.model_config)
     if current_platform.is_cpu():
         worker_cls, stock_worker = WORKER_CLS, "vllm.v1.worker.cpu_worker.CPUWorker"
         if gpu_on_cpu.active():  # tests: a GPU wrapper on the CPU
@@ -273,7 +274,6 @@ def _adjust_vllm_config(vllm_config, policy: KVPolicyConfig) -> None:
     else:
         raise ValueError(f"kv_policy {policy.name!r} is not available on {current_platform.device_name} "
                          "(CPU, CUDA and ROCm only)")
-    unsupported.check_model(policy.name, vllm_config.model_config.runner_type)
     block_size = vllm_config.cache_config.block_size
     policy.check_engine(block_size)
     check_fdc_file(policy, vllm_config.model_config.model)

@@ -52,8 +52,15 @@ def check(policy_name: str, settings: Any) -> None:
                                       + (" (tensor parallelism is supported)" if "parallel" in field else ""))
 
 
-def check_model(policy_name: str, runner_type: str) -> None:
+def check_model(policy_name: str, model_config: Any) -> None:
     """What the engine config resolved: a pooling model picked by `--runner auto` (an
-    embedding model's architecture, or `--convert`) is refused as one asked for."""
-    if runner_type == "pooling":
+    embedding model's architecture, or `--convert`) is refused as one asked for; so is MLA
+    (DeepSeek-V2/V3 style: one latent vector per token for all heads, in backends our
+    wrappers do not wrap; before, the CPU's MLA block size of 16 was refused as if the user
+    had asked for it)."""
+    if model_config.runner_type == "pooling":
         raise ValueError(f"kv_policy {policy_name!r} cannot run with {_POOLING}")
+    if getattr(model_config, "use_mla", False):
+        architecture = (getattr(model_config, "architectures", None) or ["this model"])[0]
+        raise ValueError(f"kv_policy {policy_name!r} cannot run with MLA attention ({architecture}: a latent "
+                         "KV cache shared by all heads, which the policies' attention wrappers do not carry)")
