@@ -265,12 +265,13 @@ def test_gpu_start_up_checks(monkeypatch):
     other = SimpleNamespace(attention_config=SimpleNamespace(backend=AttentionBackendEnum.FLASHINFER))
     with pytest.raises(ValueError, match="TRITON_ATTN or FLASH_ATTN .*--attention-backend FLASHINFER is not supported"):
         plugin._use_gpu_attention(other)
-    # Context parallelism splits a request's tokens over ranks: refused, naming the flag.
-    plugin._check_context_parallel(KVPolicyConfig(name="h2o"), SimpleNamespace(
-        decode_context_parallel_size=1, prefill_context_parallel_size=1))
-    with pytest.raises(ValueError, match="--decode-context-parallel-size 2 is not supported"):
-        plugin._check_context_parallel(KVPolicyConfig(name="h2o"), SimpleNamespace(
-            decode_context_parallel_size=2, prefill_context_parallel_size=1))
+    # Context parallelism splits a request's tokens over ranks: refused, naming the flag
+    # (with the other vLLM features no policy runs with, `unsupported.py`).
+    from vllm_kvprune import unsupported
+
+    unsupported.check("h2o", SimpleNamespace(decode_context_parallel_size=1, prefill_context_parallel_size=1))
+    with pytest.raises(ValueError, match="cannot run with context parallelism.*remove --decode-context-parallel-size 2"):
+        unsupported.check("h2o", SimpleNamespace(decode_context_parallel_size=2, prefill_context_parallel_size=1))
 
 
 def test_window_of_every_impl_kind():

@@ -8,6 +8,7 @@ namespace attributes.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from vllm_kvprune.config import KVConfigError
@@ -18,38 +19,49 @@ _CONNECTOR = ("a KV connector: it saves and loads a request's blocks as whole to
               "while under a policy a block holds the slots the policy kept")
 _CONTEXT = "context parallelism: a policy's maps hold a request's slots whole on every rank"
 
-# (EngineArgs field, its flag, what it turns on and why a policy cannot run with it).
-FEATURES: tuple[tuple[str, str, str], ...] = (
-    ("speculative_config", "--speculative-config",
-     "speculative decoding: a multi-token decode step would attend over evicted slots"),
-    ("kv_transfer_config", "--kv-transfer-config", _CONNECTOR),
-    ("kv_offloading_size", "--kv-offloading-size", _CONNECTOR),
-    ("pipeline_parallel_size", "--pipeline-parallel-size",
-     "pipeline parallelism: only the last stage's step output reaches the scheduler, so the other "
-     "stages' reports (a vote's footprints, what each layer kept) would be lost"),
-    ("decode_context_parallel_size", "--decode-context-parallel-size", _CONTEXT),
-    ("prefill_context_parallel_size", "--prefill-context-parallel-size", _CONTEXT),
-    ("runner", "--runner", _POOLING),
+@dataclass(frozen=True)
+class Feature:
+    """One vLLM feature: the `EngineArgs` field that turns it on, its flag, why no policy runs
+    with it, and what runs instead (if anything)."""
+
+    field: str
+    flag: str
+    why: str
+    instead: str = ""
+
+    def turned_on(self, value: Any) -> bool:
+        """A config or size given (a parallel size counts from 2), or the pooling runner."""
+        if self.field == "runner":
+            return value == "pooling"
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value > 1
+        return bool(value)
+
+
+_TP = "tensor parallelism is supported"
+FEATURES: tuple[Feature, ...] = (
+    Feature("speculative_config", "--speculative-config",
+            "speculative decoding: a multi-token decode step would attend over evicted slots"),
+    Feature("kv_transfer_config", "--kv-transfer-config", _CONNECTOR),
+    Feature("kv_offloading_size", "--kv-offloading-size", _CONNECTOR),
+    Feature("pipeline_parallel_size", "--pipeline-parallel-size",
+            "pipeline parallelism: only the last stage's step output reaches the scheduler, so the other "
+            "stages' reports (a vote's footprints, what each layer kept) would be lost", _TP),
+    Feature("decode_context_parallel_size", "--decode-context-parallel-size", _CONTEXT, _TP),
+    Feature("prefill_context_parallel_size", "--prefill-context-parallel-size", _CONTEXT, _TP),
+    Feature("runner", "--runner", _POOLING),
 )
-
-
-def _turned_on(field: str, value: Any) -> bool:
-    """A config or size given (a parallel size counts from 2), or the pooling runner asked for."""
-    if field == "runner":
-        return value == "pooling"
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value > 1
-    return bool(value)
 
 
 def check(policy_name: str, settings: Any) -> None:
     """Raise `KVConfigError` (the setting is the flag) for the first feature `settings` turn on."""
-    for field, flag, why in FEATURES:
-        value = getattr(settings, field, None)
-        if _turned_on(field, value):
+    for feature in FEATURES:
+        value = getattr(settings, feature.field, None)
+        if feature.turned_on(value):
             given = f" {value}" if isinstance(value, (int, str)) and not isinstance(value, bool) else ""
-            raise KVConfigError(flag, f"kv_policy {policy_name!r} cannot run with {why}; remove {flag}{given}"
-                                      + (" (tensor parallelism is supported)" if "parallel" in field else ""))
+            instead = f" ({feature.instead})" if feature.instead else ""
+            raise KVConfigError(feature.flag, f"kv_policy {policy_name!r} cannot run with {feature.why}; "
+                                              f"remove {feature.flag}{given}{instead}")
 
 
 def check_model(policy_name: str, model_config: Any) -> None:

@@ -43,6 +43,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="vLLM's eager mode for the real model too (the tiny model always runs eager)")
     parser.add_argument("--switch", choices=("metrics", "checks"), default="metrics",
                         help="what is turned on and off: our metrics, or the debug invariant checks")
+    parser.add_argument("--prometheus-multiprocess", action="store_true",
+                        help="count into Prometheus' multiprocess files too, as every engine does under several "
+                             "API servers (a fresh PROMETHEUS_MULTIPROC_DIR; vllm_kvprune/metrics/multiprocess.py)")
     parser.add_argument("--out", default="results/metrics_overhead")
     parser.set_defaults(run=run)
 
@@ -106,6 +109,10 @@ def run(args: argparse.Namespace) -> int:
     for name, value in common.ENGINE_ENV.items():
         os.environ.setdefault(name, value)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if args.prometheus_multiprocess:
+        import tempfile
+
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="kvprune-prometheus-")
     from vllm import LLM, SamplingParams
 
     from vllm_kvprune import assets
@@ -127,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
     saved = scheduler.kvprune_stats
     if saved is None:
         raise SystemExit("metrics-overhead: the engine counts no metrics (is VLLM_KVPRUNE_METRICS=0 set?)")
+    if args.prometheus_multiprocess and saved._mirror is None:
+        raise SystemExit("metrics-overhead: the engine does not count into Prometheus' multiprocess files")
     llm.generate(prompts, params, use_tqdm=False)  # warm-up: the same batch once
     watch = time_metrics_code(scheduler, saved) if args.switch == "metrics" else None
     rates: dict[str, list[float]] = {"on": [], "off": []}
@@ -156,7 +165,8 @@ def run(args: argparse.Namespace) -> int:
               f"max {max(shares):.3%}, {watch.calls} timed calls)")
     out = Path(args.out)
     settings = {key: getattr(args, key) for key in ("policy", "budget", "requests", "prompt_tokens", "gen_tokens",
-                                                    "rounds", "tiny", "switch", "dtype", "enforce_eager")}
+                                                    "rounds", "tiny", "switch", "dtype", "enforce_eager",
+                                                    "prometheus_multiprocess")}
     common.write_json(out.with_suffix(".json"), NAME, settings, [{"metrics": k, "tokens_per_s": v}
                                                                 for k, v in rates.items()],
                       median_on=on, median_off=off, overhead=overhead,

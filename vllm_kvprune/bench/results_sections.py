@@ -391,6 +391,9 @@ def metrics_overhead_section(path: Path, doc_dir: Path) -> str:
              f"{settings.get('requests', MISSING)} requests of {settings.get('prompt_tokens', MISSING)} + "
              f"{settings.get('gen_tokens', MISSING)} tokens, {switched} on and off in turn over "
              f"{settings.get('rounds', MISSING)} rounds; vLLM's own stats on in both.")
+    if settings.get("prometheus_multiprocess"):
+        setup += (" Counted into Prometheus' multiprocess files too, as under several API servers "
+                  "(`--prometheus-multiprocess`).")
     rows = [[r["metrics"], f"{statistics.median(r['tokens_per_s']):.1f}",
              " ".join(f"{v:.1f}" for v in r["tokens_per_s"])] for r in document.get("results", [])]
     goal = " (goal <= 1%)" if switched == "our metrics" else ""

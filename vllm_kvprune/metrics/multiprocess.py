@@ -33,16 +33,24 @@ class PrometheusMirror:
         _use_multiprocess_values()
         self.base = base
         self._metrics: dict[str, Any] = {}
+        self._children: dict[tuple, Any] = {}  # (name, labels) -> the labelled metric (a lookup per call saved)
         self._lock = threading.Lock()
 
     def count(self, name: str, value: float, labels: dict[str, str]) -> None:
-        self._metric(name, labels).labels(**self.base, **labels).inc(value)
+        self._child(name, labels).inc(value)
 
     def observe(self, name: str, value: float, bounds: tuple[float, ...], labels: dict[str, str]) -> None:
-        self._metric(name, labels, bounds).labels(**self.base, **labels).observe(value)
+        self._child(name, labels, bounds).observe(value)
 
     def set_gauge(self, name: str, value: float, labels: dict[str, str]) -> None:
-        self._metric(name, labels).labels(**self.base, **labels).set(value)
+        self._child(name, labels).set(value)
+
+    def _child(self, name: str, labels: dict[str, str], bounds: tuple[float, ...] | None = None) -> Any:
+        key = (name, *labels.items())
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self._metric(name, labels, bounds).labels(**self.base, **labels)
+        return child
 
     def _metric(self, name: str, labels: dict[str, str], bounds: tuple[float, ...] | None = None) -> Any:
         made = self._metrics.get(name)
