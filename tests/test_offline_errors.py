@@ -41,8 +41,8 @@ def test_speculative_decoding_refused(tiny_model):
     ({"kv_offloading_size": 1.0}, "--kv-offloading-size"),
 ])
 def test_kv_connectors_refused(tiny_model, option, flag):
-    # A connector saves and loads whole token rows; with ExampleConnector, streaming's second
-    # run over the same prompts answered differently from the first (and from no connector).
+    # A connector saves and loads whole token rows; with ExampleConnector, a second run of the
+    # same prompts under streaming (loading what the first saved) answered differently from no connector.
     with pytest.raises(ValueError, match=f"cannot run with a KV connector: .*; remove {flag}"):
         make_llm(tiny_model, {"name": "streaming", "budget": 64}, **option)
 
