@@ -111,6 +111,17 @@ def _scrape(base: str) -> dict:
             if sample.name.startswith("vllm:kvprune_")}
 
 
+def _scrape_until(base: str, ready, seconds: float = 10.0) -> dict:
+    """/metrics once `ready(values)` holds (an engine writes what it counted within a step or
+    two), or as it is after `seconds`."""
+    deadline = time.monotonic() + seconds
+    values = _scrape(base)
+    while not ready(values) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        values = _scrape(base)
+    return values
+
+
 def _total(values: dict, name: str, **labels) -> float:
     return sum(value for (found, their), value in values.items()
                if found == name and all((key, str(wanted)) in their for key, wanted in labels.items()))
@@ -202,10 +213,8 @@ def test_data_parallel_engines_each_run_the_policy(tiny_model, tmp_path, monkeyp
                                                                headers={"X-data-parallel-rank": str(rank % 2)}),
                                     range(6)))
         bad = requests.post(f"{base}/v1/completions", json={**body, "vllm_xargs": {"kv_budget": 0}}, timeout=60)
-        deadline, values = time.monotonic() + 10, _scrape(base)
-        while _total(values, "vllm:kvprune_request_kept_tokens_count", heads="mean") < 6 and time.monotonic() < deadline:
-            time.sleep(0.2)
-            values = _scrape(base)
+        values = _scrape_until(base, lambda found: _total(found, "vllm:kvprune_request_kept_tokens_count",
+                                                          heads="mean") >= 6)
     assert all(answer.status_code == 200 for answer in answers), [answer.text for answer in answers]
     assert len({answer.json()["choices"][0]["text"] for answer in answers}) == 1
     for answer in answers:

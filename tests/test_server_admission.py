@@ -14,7 +14,7 @@ import pytest
 import requests
 
 from conftest import page_bytes, served
-from test_server import _scrape, _total
+from test_server import _scrape_until, _total
 
 POOL_BLOCKS = 64
 LONG_PROMPT = 2800
@@ -43,17 +43,6 @@ def long_and_short(base: str, model: str) -> tuple[tuple, tuple]:
         time.sleep(0.5)
         short = pool.submit(complete, base, model, short_prompt, 16)
         return long.result(), short.result()
-
-
-def _scrape_until(base: str, ready, seconds: float = 10.0) -> dict:
-    """/metrics once `ready(values)` holds (an engine writes what it counted within a step or
-    two), or as it is after `seconds`."""
-    deadline = time.monotonic() + seconds
-    values = _scrape(base)
-    while not ready(values) and time.monotonic() < deadline:
-        time.sleep(0.2)
-        values = _scrape(base)
-    return values
 
 
 @pytest.mark.slow

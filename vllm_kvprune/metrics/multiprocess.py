@@ -13,7 +13,6 @@ label).
 from __future__ import annotations
 
 import os
-import threading
 from typing import Any
 
 from vllm_kvprune import metrics
@@ -27,14 +26,15 @@ def active() -> bool:
 
 class PrometheusMirror:
     """One process's metrics in the multiprocess files, labelled `base` (model_name, engine)
-    and then by the labels of each call; a name keeps the label names of its first call."""
+    and then by the labels of each call; a name keeps the label names of its first call.
+    Not locked: its callers are serialized already (the engine core's scheduler; the front
+    end's refusals under `exporter._lock`)."""
 
     def __init__(self, base: dict[str, str]) -> None:
         _use_multiprocess_values()
         self.base = base
         self._metrics: dict[str, Any] = {}
         self._children: dict[tuple, Any] = {}  # (name, labels) -> the labelled metric (a lookup per call saved)
-        self._lock = threading.Lock()
 
     def count(self, name: str, value: float, labels: dict[str, str]) -> None:
         self._child(name, labels).inc(value)
@@ -64,12 +64,8 @@ class PrometheusMirror:
             options["buckets"] = bounds
         elif kind == "gauge":
             options["multiprocess_mode"] = "mostrecent"
-        with self._lock:
-            made = self._metrics.get(name)
-            if made is None:
-                made = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}[kind](
-                    metrics.PREFIX + name, documentation, **options)
-                self._metrics[name] = made
+        made = self._metrics[name] = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}[kind](
+            metrics.PREFIX + name, documentation, **options)
         return made
 
 
