@@ -96,6 +96,21 @@ def test_attention_mass_matches_reference(dtype: torch.dtype, group: int, nhd: b
     assert bool((output[-1] == 0).all()), "a query with 0 keys has a zero output"
 
 
+# Served models' head sizes (Llama/Qwen 128, Gemma 256) at GQA group 4: the tiles and
+# precisions the wrappers choose for them are the launches a GPU compiles
+# (`python -m vllm_kvprune.kernels.triton.targets`), so they are run here too.
+@pytest.mark.parametrize("head_size", [128, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_attention_mass_at_model_head_sizes(dtype: torch.dtype, head_size: int) -> None:
+    cache, query, block_table, rows, counts, mass = mass_scenario(dtype, 4, head_size, False, seed=head_size)
+    output = torch.full_like(query, float("nan"))
+    scale = head_size ** -0.5
+    expected_mass, expected_output = reference_mass(query, cache, block_table, rows, counts, scale, mass, output)
+    triton_mass.attention_mass(query, cache, block_table, rows, counts, scale, mass, output)
+    assert_output_close(output, expected_output, dtype)
+    assert_mass_close(mass, expected_mass, dtype)
+
+
 def test_attention_mass_sums_over_queries_and_heads() -> None:
     """Per query, the added mass of each KV head sums to its group size; slots no query reaches keep their value."""
     group = 2
@@ -275,6 +290,17 @@ def test_head_page_attention_softcap() -> None:
     head_pages.head_page_attention(query, cache, pages, lengths, 1.0, output, softcap=3.0)
     assert_output_close(output, expected, torch.float32)
     assert not torch.allclose(reference_head_pages(query, cache, pages, lengths, 1.0, output), expected, atol=1e-3)
+
+
+@pytest.mark.parametrize("head_size", [128, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_head_page_attention_at_model_head_sizes(dtype: torch.dtype, head_size: int) -> None:
+    cache, query, pages, lengths = head_page_scenario(dtype, 4, head_size, False, seed=head_size)
+    output = torch.full_like(query, float("nan"))
+    scale = head_size ** -0.5
+    expected = reference_head_pages(query, cache, pages, lengths, scale, output)
+    head_pages.head_page_attention(query, cache, pages, lengths, scale, output)
+    assert_output_close(output, expected, dtype)
 
 
 def test_head_page_reference_matches_block_attention() -> None:

@@ -28,12 +28,13 @@ V_RANKS = (32, 7, 23)
 
 
 def _case(seed: int, group: int, block_size: int, query_counts: tuple[int, ...], seq_lens: tuple[int, ...],
-          dtype: torch.dtype = torch.float32):
+          dtype: torch.dtype = torch.float32, ranks: tuple[tuple[int, ...], tuple[int, ...]] = (K_RANKS, V_RANKS),
+          width: int = QUERY_WIDTH):
     """(query, cache, block_table, query_start_loc, seq_lens, heads) on CPU: every sequence's
     positions written through ``PackedHeads.write`` into blocks scattered over a pool with
     spare blocks; unwritten slots NaN."""
     generator = torch.Generator().manual_seed(seed)
-    heads = PackedHeads.from_ranks(K_RANKS, V_RANKS)
+    heads = PackedHeads.from_ranks(*ranks)
     num_heads = heads.num_heads
     blocks_per_seq = -(-max(seq_lens) // block_size)
     num_blocks = len(seq_lens) * blocks_per_seq + 3
@@ -41,22 +42,22 @@ def _case(seed: int, group: int, block_size: int, query_counts: tuple[int, ...],
     block_table = order.view(len(seq_lens), blocks_per_seq).to(torch.int32)
     cache = torch.full((num_blocks, block_size * heads.row_width), float("nan")).to(dtype)
     for s, seq_len in enumerate(seq_lens):
-        keys = torch.randn(seq_len, num_heads, QUERY_WIDTH, generator=generator)
-        values = torch.randn(seq_len, num_heads, QUERY_WIDTH, generator=generator)
+        keys = torch.randn(seq_len, num_heads, width, generator=generator)
+        values = torch.randn(seq_len, num_heads, width, generator=generator)
         positions = torch.arange(seq_len)
         slots = block_table[s, positions // block_size].long() * block_size + positions % block_size
         heads.write(cache, slots, keys.to(dtype), values.to(dtype), block_size)
     starts = torch.tensor([0, *torch.cumsum(torch.tensor(query_counts), 0).tolist()], dtype=torch.int32)
-    query = torch.randn(int(starts[-1]), num_heads * group, QUERY_WIDTH, generator=generator).to(dtype)
+    query = torch.randn(int(starts[-1]), num_heads * group, width, generator=generator).to(dtype)
     return query, cache, block_table, starts, torch.tensor(seq_lens, dtype=torch.int32), heads
 
 
-def _both(case, block_size: int, scale: float, balanced: bool = True):
+def _both(case, block_size: int, scale: float, balanced: bool = True, output_width: int = OUTPUT_WIDTH):
     """(Triton on DEVICE, reference on CPU) outputs of one case."""
     query, cache, table, starts, lens, heads = case
-    expected = reduced_attention_reference(query, cache, table, starts, lens, heads, scale, OUTPUT_WIDTH, block_size)
+    expected = reduced_attention_reference(query, cache, table, starts, lens, heads, scale, output_width, block_size)
     got = triton_fdc.reduced_attention(query.to(DEVICE), cache.to(DEVICE), table.to(DEVICE), starts.to(DEVICE),
-                                       lens.to(DEVICE), heads, scale, OUTPUT_WIDTH, balanced, block_size)
+                                       lens.to(DEVICE), heads, scale, output_width, balanced, block_size)
     assert got.device.type == torch.device(DEVICE).type and got.dtype == torch.float32
     return got.cpu(), expected
 
@@ -77,6 +78,19 @@ def test_reduced_attention_matches_reference_fp32(batch, group: int, block_size:
     assert not got[..., max(V_RANKS):].any()
     for h, v_rank in enumerate(V_RANKS):  # each head's own tail is zero too
         assert not got[:, h * group:(h + 1) * group, v_rank:].any()
+
+
+# A 128-wide model's heads (Llama/Qwen) at FDC's ranks: one at full width, one at half, one
+# unaligned; value ranks all multiples of 8 in bf16 (the aligned path's wider key tile). The
+# tiles chosen for them are what a GPU compiles (`python -m vllm_kvprune.kernels.triton.targets`).
+@pytest.mark.parametrize(("dtype", "v_ranks"), [(torch.float32, (128, 40, 72)), (torch.bfloat16, (128, 64, 96))],
+                         ids=["float32", "bfloat16-aligned"])
+@pytest.mark.parametrize("batch", [DECODE, PREFILL], ids=["decode", "prefill"])
+def test_reduced_attention_at_a_model_head_size(batch, dtype: torch.dtype, v_ranks: tuple[int, ...]) -> None:
+    case = _case(7, 4, 16, *batch, dtype=dtype, ranks=((128, 64, 37), v_ranks), width=128)
+    got, expected = _both(case, 16, 128 ** -0.5, output_width=128)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -23,3 +23,8 @@ if DEVICE == "cpu":
     # Triton test would leave them compiled-mode functions, which an interpreted kernel cannot
     # call ("Cannot call @triton.jit'd outside of the scope of a kernel").
     import triton.language  # noqa: E402,F401
+
+if os.environ.get("KVPRUNE_RECORD_TRITON"):  # vllm_kvprune.kernels.triton.targets records the launches
+    from vllm_kvprune.kernels.triton.targets import RECORD_VARIABLE, install_recorder
+
+    install_recorder(os.environ[RECORD_VARIABLE])

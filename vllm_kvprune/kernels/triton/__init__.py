@@ -17,15 +17,92 @@ arithmetic is not reliable), which is also what the kernels do on a GPU.
 
 from __future__ import annotations
 
+import functools
 import os
+from dataclasses import dataclass
 
 import torch
+
+# Names a GPU (`targets.TARGETS`: sm_90, gfx942, ...) whose limits the kernels' tile and
+# precision choices follow instead of the running device's: how the compile check
+# (`python -m vllm_kvprune.kernels.triton.targets`) records, in the interpreter, the launches
+# that GPU would get.
+TARGET_VARIABLE = "KVPRUNE_TRITON_TARGET"
 
 
 def interpreted() -> bool:
     """Whether Triton kernels run in the interpreter (set ``TRITON_INTERPRET=1`` before the
     kernel modules are imported)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@dataclass(frozen=True)
+class DeviceLimits:
+    """What the GPU the kernels are compiled for allows them, where their tiles are chosen."""
+
+    max_shared_bytes: int | None  # one block's shared memory (LDS on AMD); None: no limit known
+    dot_precisions: tuple[str, ...]  # `tl.dot` input precisions its Triton backend accepts
+
+
+# The interpreter without a named target: NVIDIA's precisions, no shared-memory limit (the
+# choices the kernels had before the limits were read, tuned on an H100).
+_INTERPRETER_LIMITS = DeviceLimits(None, ("ieee", "tf32", "tf32x3"))
+
+
+def device_limits(device: torch.device | str | None = None) -> DeviceLimits:
+    """The limits of the GPU `device`'s kernels compile for: `KVPRUNE_TRITON_TARGET`'s where it
+    is set, else the running driver's (Triton's own answers: its backend's accepted precisions,
+    the device's `max_shared_mem`), else none in the interpreter."""
+    named = os.environ.get(TARGET_VARIABLE)
+    if named:
+        return _target_limits(named)
+    if interpreted():
+        return _INTERPRETER_LIMITS
+    index = torch.device(device).index if device is not None and torch.device(device).index is not None else None
+    return _driver_limits(torch.cuda.current_device() if index is None else index)
+
+
+@functools.cache
+def _target_limits(name: str) -> DeviceLimits:
+    from vllm_kvprune.kernels.triton.targets import TARGETS
+
+    if name not in TARGETS:
+        raise ValueError(f"{TARGET_VARIABLE}={name!r} is not one of {sorted(TARGETS)}")
+    target = TARGETS[name]
+    return DeviceLimits(target.max_shared_bytes, _precisions(target.backend, target.arch, target.warp_size))
+
+
+@functools.cache
+def _driver_limits(index: int) -> DeviceLimits:
+    from triton.runtime.driver import driver
+
+    target = driver.active.get_current_target()
+    shared = driver.active.utils.get_device_properties(index)["max_shared_mem"]
+    return DeviceLimits(int(shared), _precisions(target.backend, target.arch, target.warp_size))
+
+
+def _precisions(backend: str, arch: int | str, warp_size: int) -> tuple[str, ...]:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+
+    return tuple(make_backend(GPUTarget(backend, arch, warp_size)).parse_options({}).allowed_dot_input_precisions)
+
+
+def dot_precision(cache_dtype: torch.dtype, limits: DeviceLimits) -> str:
+    """``tl.dot``'s input precision: TF32 is exact for 16-bit cache values where the GPU has it
+    (not AMD's CDNA2, gfx90a); fp32 caches, and GPUs without TF32, take IEEE."""
+    return "tf32" if cache_dtype != torch.float32 and "tf32" in limits.dot_precisions else "ieee"
+
+
+def fit_shared(tile: int, bytes_per_step: int, limits: DeviceLimits, least: int = 16) -> int:
+    """`tile` (a power of two) halved until `tile * bytes_per_step` fits the GPU's shared
+    memory (and no lower than `least`): a launch needing more shared memory than a block has
+    fails on that GPU (Triton's OutOfResources), as fp32 key tiles did on AMD's 64 KiB."""
+    if limits.max_shared_bytes is None:
+        return tile
+    while tile > least and tile * bytes_per_step > limits.max_shared_bytes:
+        tile //= 2
+    return tile
 
 
 def check_cache(kv_cache: torch.Tensor) -> tuple[int, int, int, int]:

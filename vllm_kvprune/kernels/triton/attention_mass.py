@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_kvprune.kernels.triton import check_cache
+from vllm_kvprune.kernels.triton import DeviceLimits, check_cache, device_limits, dot_precision, fit_shared
 
 SUPPORTED_CACHE_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -190,6 +190,7 @@ def attention_mass(
     # Unused pointers get a tensor that is never dereferenced (the constexpr flags drop the code).
     mass_arg = mass if mass is not None else key_counts
     output_arg = output if output is not None else query
+    limits = device_limits(kv_cache.device)
     _attention_mass_kernel[(num_queries, num_heads)](
         query, kv_cache, block_table, query_rows, key_counts, mass_arg, output_arg,
         float(scale), float(softcap), group, head_size, block_size,
@@ -198,9 +199,9 @@ def attention_mass(
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         block_table.stride(0), block_table.stride(1),
         mass_arg.stride(0), mass_arg.stride(-1),
-        GROUP_PAD=group_pad(group), KEY_TILE=key_tile(kv_cache.dtype, head_size), D_PAD=tile_size(head_size),
-        SOFTCAP=softcap > 0, WRITE_OUTPUT=output is not None, ADD_MASS=mass is not None,
-        DOT_PRECISION=dot_precision(kv_cache.dtype),
+        GROUP_PAD=group_pad(group), KEY_TILE=key_tile(kv_cache.dtype, head_size, group, limits),
+        D_PAD=tile_size(head_size), SOFTCAP=softcap > 0, WRITE_OUTPUT=output is not None, ADD_MASS=mass is not None,
+        DOT_PRECISION=dot_precision(kv_cache.dtype, limits),
     )
 
 
@@ -215,16 +216,18 @@ def tile_size(extent: int) -> int:
     return max(16, triton.next_power_of_2(extent))
 
 
-def key_tile(cache_dtype: torch.dtype, head_size: int) -> int:
+def key_tile(cache_dtype: torch.dtype, head_size: int, group: int = 1, limits: DeviceLimits | None = None) -> int:
     """Key positions per loop iteration, a power of two in [16, 128]: about ``_KEY_TILE_ELEMS``
-    elements per tile, halved for fp32 caches (their IEEE dots need more registers)."""
+    elements per tile, halved for fp32 caches (their IEEE dots need more registers), and as many
+    as fit the GPU's shared memory by an estimate (a step stages its K and V tiles there in the
+    cache's dtype, and the group's fp32 probabilities) that the compile check holds to what
+    Triton allocates for NVIDIA's and AMD's GPUs (`targets.py`; AMD's 64 KiB is where it binds).
+    `limits`: the current device's by default."""
+    limits = limits if limits is not None else device_limits()
     elems = _KEY_TILE_ELEMS // (2 if cache_dtype == torch.float32 else 1)
-    return max(16, min(128, elems // tile_size(head_size)))
-
-
-def dot_precision(cache_dtype: torch.dtype) -> str:
-    """``tl.dot`` precision: TF32 is exact for 16-bit cache values, fp32 caches need IEEE."""
-    return "ieee" if cache_dtype == torch.float32 else "tf32"
+    tile = max(16, min(128, elems // tile_size(head_size)))
+    staged = 2 * tile_size(head_size) * cache_dtype.itemsize + 4 * group_pad(group)
+    return fit_shared(tile, staged, limits)
 
 
 def check_query(query: torch.Tensor, kv_cache: torch.Tensor, num_heads: int, head_size: int) -> int:

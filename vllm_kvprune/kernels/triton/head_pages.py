@@ -24,13 +24,12 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_kvprune.kernels.triton import check_cache
+from vllm_kvprune.kernels.triton import check_cache, device_limits, dot_precision
 from vllm_kvprune.kernels.triton.attention_mass import (
     SUPPORTED_CACHE_DTYPES,
     check_device,
     check_output,
     check_query,
-    dot_precision,
     group_logits,
     group_pad,
     key_tile,
@@ -121,6 +120,7 @@ def head_page_attention(
     check_device(lengths, "lengths", kv_cache)
     if num_requests == 0:
         return
+    limits = device_limits(kv_cache.device)
     _head_page_attention_kernel[(num_requests, num_heads)](
         query, kv_cache, pages, lengths, output,
         float(scale), float(softcap), group, num_heads, head_size, block_size,
@@ -129,6 +129,6 @@ def head_page_attention(
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         pages.stride(0), pages.stride(1), pages.stride(2),
         lengths.stride(0), lengths.stride(1),
-        GROUP_PAD=group_pad(group), KEY_TILE=key_tile(kv_cache.dtype, head_size), D_PAD=tile_size(head_size),
-        SOFTCAP=softcap > 0, DOT_PRECISION=dot_precision(kv_cache.dtype),
+        GROUP_PAD=group_pad(group), KEY_TILE=key_tile(kv_cache.dtype, head_size, group, limits),
+        D_PAD=tile_size(head_size), SOFTCAP=softcap > 0, DOT_PRECISION=dot_precision(kv_cache.dtype, limits),
     )

@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from vllm_kvprune.kernels.reduced_attention import PackedHeads
+from vllm_kvprune.kernels.triton import device_limits, dot_precision, fit_shared
 
 # Query rows one prefill program holds (BLOCK_M * BLOCK_G), when the group allows.
 _PREFILL_ROWS = 64
@@ -396,6 +397,12 @@ def reduced_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: 
             block_n = 2 * _DOT_KEYS if on_device.v_align >= 8 else _DOT_KEYS
     else:
         block_n = min(_DOT_KEYS, max(_MIN_DOT, _MAX_PRODUCT // (rows * max(block_k, block_v))))
+    limits = device_limits(kv_cache.device)
+    # A step stages its key and value tiles in shared memory (the cache's dtype) and, with
+    # dots, the rows' probabilities (fp32): as many keys as fit the GPU's (AMD: 64 KiB). A
+    # sweep's override is taken as given.
+    if not _TILE_OVERRIDE.get("block_n"):
+        block_n = fit_shared(block_n, (block_k + block_v) * kv_cache.dtype.itemsize + 4 * rows, limits)
     if query.stride(2) != 1:
         query = query.contiguous()
     table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
@@ -417,7 +424,7 @@ def reduced_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: 
         BLOCK_M=tile_queries, BLOCK_G=group_block, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_V=block_v,
         USE_DOT=use_dot, TASK_FIELDS=_TASK_FIELDS, block_size=block_size, KEY_RUNS=_key_runs(block_size, block_n),
         V_ALIGN=on_device.v_align,
-        DECODE=decode, ORDERED=decode and balanced, DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
+        DECODE=decode, ORDERED=decode and balanced, DOT_PRECISION=dot_precision(kv_cache.dtype, limits),
         seq_lens_ptr=seq_lens, num_heads=num_heads,
         partial_acc_ptr=partial_acc, partial_stats_ptr=partial_stats, split_keys=split_keys, SPLITS=splits,
         KEYS_BY_TOKEN=keys_by_token, K_ALIGN=on_device.k_align,
