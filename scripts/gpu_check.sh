@@ -3,28 +3,34 @@
 # vLLM, nothing downloadable). From the repository root:
 #
 #   OUT=DIR bash scripts/gpu_check.sh            # DIR defaults to results/gpu
-#   OUT=DIR bash scripts/gpu_check.sh tests      # the stages named: env build tests kernels steps plan
+#   OUT=DIR bash scripts/gpu_check.sh tests      # the stages named: env build tests fdc-layer steps plan kernels
+#   DEADLINE=300 bash scripts/gpu_check.sh       # the whole call in 300 s (default 540)
 #
-# Stages, each under its own time limit, each going on when an earlier one failed (one broken
-# stage loses nothing else), each writing into $OUT with the GPU's tag (h100, h200, ...):
-#   env      env_TAG.txt: nvidia-smi's name/driver/memory, torch, Triton, CUDA
-#   build    build_TAG.txt: `setup.py build_ext --inplace` (the C++ ops the planner uses, and the
-#            CUDA slot ops from csrc/cuda when nvcc is found)
-#   tests    pytest_TAG.txt: every Triton kernel and the impl's policy steps on CUDA tensors
-#            against their torch references (pytest -m triton --noconftest)
-#   kernels  kernels_TAG.{json,txt,png}: bench gpu-kernels (each kernel against plain torch)
-#   steps    steps_TAG.{json,txt,png}: bench gpu-steps (the wrapper's KV work per decode step)
-#   plan     plan_steps_TAG.{json,txt,png}: bench plan-steps (the host's planning alone, on that host)
-# The last line says which stages passed. Not yet run on a GPU: its limits add up to 25 minutes,
-# more than one device call may take (10), so name the stages in two calls where that matters:
-# `env build tests`, then `kernels steps plan` (the tests took 133 s on an H100 before).
+# Stages, in this order (the most needed first), each under its own time limit cut to what is
+# left of DEADLINE, each going on when an earlier one failed (one broken stage loses nothing
+# else), each writing into $OUT with the GPU's tag (h100, h200, ...):
+#   env        env_TAG.txt: nvidia-smi's name/driver/memory, torch, Triton, CUDA
+#   build      build_TAG.txt: `setup.py build_ext --inplace` (the C++ ops the planner uses, and
+#              the CUDA slot ops from csrc/cuda when nvcc is found)
+#   tests      pytest_TAG.txt: every Triton kernel and the impl's policy steps on CUDA tensors
+#              against their torch references (pytest -m triton --noconftest)
+#   fdc-layer  fdc_layer_TAG.{json,txt,png}: bench gpu-kernels --cases fdc-layer (where one FDC
+#              layer's step goes: what CUTLASS for the projections could win)
+#   steps      steps_TAG.{json,txt,png}: bench gpu-steps (the wrapper's KV work per decode step)
+#   plan       plan_steps_TAG.{json,txt,png}: bench plan-steps (the host's planning alone, on that host)
+#   kernels    kernels_TAG.{json,txt,png}: bench gpu-kernels (each kernel against plain torch)
+# A stage that would have under 30 s is skipped and said so. The last line says which stages
+# passed, failed or were skipped. A lent machine has about 15 minutes in all, its start
+# included, and one call may run 10: `DEADLINE=300 bash scripts/gpu_check.sh` leaves room for
+# a second call on what was skipped (the tests took 133 s on an H100 on 2026-11-27).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/gpu}
 mkdir -p "$OUT"
 PYTHON=${PYTHON:-python3}
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(env build tests kernels steps plan)
+[ ${#stages[@]} -eq 0 ] && stages=(env build tests fdc-layer steps plan kernels)
+DEADLINE=${DEADLINE:-540}
 
 TAG=$($PYTHON -c "import torch; from vllm_kvprune.bench.gpu_kernels import gpu_slug; \
 print(gpu_slug('cuda' if torch.cuda.is_available() else 'cpu'))" 2>/dev/null || echo unknown)
@@ -40,11 +46,18 @@ export PYTHON
 run_stage() {  # name, seconds, log file, command...
   local name=$1 seconds=$2 log=$3
   shift 3
+  local left=$((DEADLINE - SECONDS - 5))
+  if [ $left -lt 30 ]; then
+    summary+=("$name=skipped(no time)")
+    echo "== $name: skipped, $((DEADLINE - SECONDS)) s of DEADLINE=$DEADLINE left"
+    return
+  fi
+  [ $left -lt "$seconds" ] && seconds=$left
   local started=$SECONDS
   timeout "$seconds" "$@" > "$log" 2>&1
   local rc=$?
   summary+=("$name=$([ $rc -eq 0 ] && echo ok || echo "failed($rc)")/$((SECONDS - started))s")
-  echo "== $name: rc $rc in $((SECONDS - started)) s ($log)"
+  echo "== $name: rc $rc in $((SECONDS - started)) s of at most $seconds ($log)"
   tail -n 3 "$log"
 }
 
@@ -58,6 +71,9 @@ for stage in "${stages[@]}"; do
       run_stage tests 400 "$OUT/pytest_$TAG.txt" $PYTHON -m pytest -q -p no:cacheprovider -m triton --noconftest \
         tests/test_triton_attention.py tests/test_triton_fdc_vote.py tests/test_triton_fdc_write.py \
         tests/test_triton_slot_ops.py tests/test_triton_policy_steps.py tests/test_bench_gpu_kernels.py ;;
+    fdc-layer)
+      run_stage fdc-layer 120 "$OUT/fdc_layer_$TAG.txt" $PYTHON -m vllm_kvprune.bench.gpu_kernels \
+        --cases fdc-layer --out "$OUT/fdc_layer_$TAG" ;;
     kernels)
       run_stage kernels 300 "$OUT/kernels_$TAG.txt" $PYTHON -m vllm_kvprune.bench.gpu_kernels --out "$OUT/kernels_$TAG" ;;
     steps)
@@ -66,7 +82,7 @@ for stage in "${stages[@]}"; do
       run_stage plan 120 "$OUT/plan_steps_$TAG.txt" $PYTHON -m vllm_kvprune.bench.plan_steps \
         --out "$OUT/plan_steps_$TAG.json" ;;
     *)
-      echo "unknown stage '$stage' (env build tests kernels steps plan)" >&2
+      echo "unknown stage '$stage' (env build tests fdc-layer steps plan kernels)" >&2
       exit 2 ;;
   esac
 done

@@ -224,3 +224,33 @@ def case_fdc_layer(shapes: Shapes, dtype: torch.dtype, device: str, rows: list) 
         "tqk,qdk->tqd", torch.einsum("tqd,qdk->tqk", query.float(), query_rotation), output_rotation))
     case.time("reduced attention (Triton)", attend)
     case.time("whole layer step (write, projections, attention)", step)
+    _prefill_projections(fdc, shapes, dtype, device, generator, rows)
+
+
+def _prefill_projections(fdc, shapes: Shapes, dtype: torch.dtype, device: str, generator: torch.Generator,
+                         rows: list) -> None:
+    """The four projections' GEMMs over one prefill chunk (`shapes.prompt // 4` tokens: 2048,
+    vLLM's usual chunk): in fp32 as `FdcLayers` runs them, and in the cache's dtype, which runs
+    on tensor cores and bounds what a CUTLASS GEMM could win (its relative error is the price)."""
+    layer = fdc.layers[0]
+    query_rotation, output_rotation = fdc._per_query_head(0, shapes.group)
+    tokens = shapes.prompt // 4
+    key, value = (torch.randn(tokens, shapes.kv_heads, shapes.head_dim, generator=generator).to(device, dtype)
+                  for _ in range(2))
+    query = torch.randn(tokens, shapes.kv_heads * shapes.group, shapes.head_dim, generator=generator).to(device, dtype)
+
+    def project(cast: torch.dtype) -> torch.Tensor:
+        rotations = [r.to(cast) for r in (layer.qk_rotation, layer.v_rotation, query_rotation, output_rotation)]
+        reduced_k = torch.einsum("thd,hdk->thk", key.to(cast), rotations[0])
+        reduced_v = torch.einsum("thd,hdk->thk", value.to(cast), rotations[1])
+        reduced_q = torch.einsum("tqd,qdk->tqk", query.to(cast), rotations[2])
+        # The output projection's input has the reduced attention output's shape: [T, Hq, max k_v].
+        back = torch.einsum("tqk,qdk->tqd", reduced_q[..., : rotations[3].shape[-1]], rotations[3])
+        return torch.cat([reduced_k.flatten(), reduced_v.flatten(), back.flatten()])
+
+    exact = project(torch.float32)
+    relative = float((project(dtype).float() - exact).norm() / exact.norm())
+    case = Case(f"fdc-prefill projections of {tokens} tokens", device, rows)
+    case.time("4 einsums in fp32 (as FdcLayers runs them)", lambda: project(torch.float32), baseline=True)
+    case.time(f"4 einsums in {str(dtype).removeprefix('torch.')} (tensor cores)", lambda: project(dtype),
+              relative_error=relative)
