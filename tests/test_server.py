@@ -196,17 +196,20 @@ def test_a_request_the_policy_fails_for_fails_alone(server):
 
 
 @pytest.mark.slow
-def test_data_parallel_engines_each_run_the_policy(tiny_model, tmp_path, monkeypatch):
+@pytest.mark.parametrize("api_servers", [[], ["--api-server-count", "1"]], ids=["api-server-per-engine", "one-api-server"])
+def test_data_parallel_engines_each_run_the_policy(tiny_model, tmp_path, monkeypatch, api_servers):
     """`--data-parallel-size 2`: two engine cores (one core each here), each with its own
-    scheduler and worker maps, and two API servers (vLLM's default for it). The same prompt
-    sent six times at once, three to each engine, answers the same tokens on both, every
-    answer kept its budget, and /metrics counts each engine's three under its `engine` label."""
+    scheduler and worker maps, and two API servers (vLLM's default for it; their metrics go
+    through Prometheus' multiprocess files) or one (`--api-server-count 1`: one process reads
+    both engines' stats, our snapshot collector). The same prompt sent six times at once, three
+    to each engine, answers the same tokens on both, every answer kept its budget, and
+    /metrics counts each engine's three under its `engine` label."""
     pool_bytes = 128 * page_bytes(tiny_model, {"dtype": "float32", "block_size": 32})
     body = {"model": tiny_model, "prompt": "The quick brown fox", "max_tokens": 100, "temperature": 0,
             "ignore_eos": True, "vllm_xargs": {"kv_report": True}}
     with served(tiny_model, "--dtype", "float32", "--enforce-eager", "--block-size", "32", "--max-model-len", "1024",
                 "--kv-cache-memory-bytes", str(pool_bytes), "--kv-policy", "streaming", "--kv-budget", "64",
-                "--data-parallel-size", "2", log_dir=tmp_path, timeout=300,
+                "--data-parallel-size", "2", *api_servers, log_dir=tmp_path, timeout=300,
                 env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) as base:
         with ThreadPoolExecutor(6) as pool:  # three to each engine (vLLM's routing header)
             answers = list(pool.map(lambda rank: requests.post(f"{base}/v1/completions", json=body, timeout=300,
