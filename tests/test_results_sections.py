@@ -242,6 +242,22 @@ def test_fdc_tiles_section_shows_the_fastest_and_slowest_tile_of_each_width() ->
     assert split_rows and all(row["candidate"] in text for row in split_rows)
 
 
+def test_targets_section_shows_every_kernel_on_every_target() -> None:
+    path = RESULTS / "gpu" / "triton_targets.json"
+    document = json.loads(path.read_text())
+    text = results_gpu.targets_section(path, DOC_DIR)
+    header, _, *body = tables(text)[0]
+    names = [target["name"] for target in document["targets"]]
+    assert header == ["kernel", *names]
+    cells = {row[0]: dict(zip(names, row[1:])) for row in body}
+    assert len(body) == len({line["kernel"] for line in document["summary"]})
+    for line in document["summary"]:
+        cell = cells[line["kernel"].strip("_").removesuffix("_kernel")][line["target"]]
+        assert f"{line['max_registers']} regs, {line['max_spilled']} spilled" in cell
+        assert ("FAILED" in cell) == bool(line["failed"])
+    assert f"Triton {document['triton']}" in text and document["machine"]["head"] in text
+
+
 def test_load_section_reads_every_policy_from_its_json() -> None:
     path = RESULTS / "load.json"
     document = json.loads(path.read_text())

@@ -132,3 +132,38 @@ def plan_steps_section(path: Path, doc_dir: Path) -> str:
     if image:
         parts.append(image)
     return "\n\n".join(parts)
+
+
+# ---- Triton kernels compiled for GPUs, on a machine without one ----------------------------------
+def targets_section(path: Path, doc_dir: Path) -> str:
+    """Per kernel and GPU target: the launches of the kernel tests compiled there, and the most
+    shared memory, registers and spills any of them took (`kernels.triton.targets`)."""
+    document = load(path)
+    machine = document.get("machine", {})
+    targets = document.get("targets", [])
+    names = [target["name"] for target in targets]
+    described = "; ".join(f"{target['name']} ({target['gpus']}, {target['max_shared_bytes'] // 1024} KiB a block, "
+                          f"{target.get('distinct_launches', MISSING)} launches)" for target in targets)
+    failed = sum(line["failed"] for line in document.get("summary", []))
+    setup = (f"Every distinct launch of the Triton kernel tests, run in the interpreter with the tiles and "
+             f"precisions the wrappers choose for each target, then compiled for it by Triton "
+             f"{document.get('triton', MISSING)} on a CPU-only machine (head `{machine.get('head', MISSING)}`, "
+             f"{machine.get('time_utc', MISSING)}): {described}. Each cell: the most shared memory (KiB), "
+             f"registers and spilled registers (NVIDIA: bytes of local memory) of the kernel's launches. "
+             f"{failed} launches failed (refused by the compiler, or over a block's shared memory). Compiled, "
+             "not run: what the kernels compute on a GPU and how fast is in the sections above.")
+    by_kernel: dict[str, dict[str, dict]] = {}
+    for line in document.get("summary", []):
+        by_kernel.setdefault(line["kernel"], {})[line["target"]] = line
+    rows = [[kernel.strip("_").removesuffix("_kernel"),
+             *[_target_cell(cells.get(name)) for name in names]] for kernel, cells in by_kernel.items()]
+    return "\n\n".join([f"### Triton kernels compiled for GPUs, without one (`{Path(path).name}`)",
+                         f"Command: `{shown_command(machine.get('command'))}`", setup,
+                         markdown_table(["kernel", *names], rows)])
+
+
+def _target_cell(line: dict | None) -> str:
+    if line is None:
+        return MISSING
+    cell = f"{line['max_shared_bytes'] / 1024:.0f} KiB, {line['max_registers']} regs, {line['max_spilled']} spilled"
+    return cell if not line["failed"] else f"{line['failed']} of {line['launches']} FAILED; {cell}"

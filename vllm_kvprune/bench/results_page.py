@@ -179,6 +179,9 @@ def render(results_dir: Path, page_path: Path) -> str:
     gpu_parts += [results_gpu.fdc_tiles_section(path, page_path.parent)
                   for pattern in ("fdc_tiles*.json", "fdc_layout*.json")
                   for path in sorted((results_dir / "gpu").glob(pattern))]
+    compiled = results_dir / "gpu" / "triton_targets.json"
+    if compiled.is_file():
+        gpu_parts.append(results_gpu.targets_section(compiled, page_path.parent))
     if any(gpu_parts):
         parts += ["## GPU kernels", *gpu_parts]
 
