@@ -81,18 +81,24 @@ def assert_mass_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch
 # ---- attention_mass -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("nhd", [False, True], ids=["HND", "NHD"])
-@pytest.mark.parametrize("group", [1, 4])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_attention_mass_matches_reference(dtype: torch.dtype, group: int, nhd: bool) -> None:
-    head_size = 32 if group == 1 else 64
-    cache, query, block_table, rows, counts, mass = mass_scenario(dtype, group, head_size, nhd, seed=group)
+def check_mass_against_reference(dtype: torch.dtype, group: int, head_size: int, nhd: bool,
+                                 seed: int) -> torch.Tensor:
+    """`mass_scenario` through the kernel and the reference: output and mass agree; the output."""
+    cache, query, block_table, rows, counts, mass = mass_scenario(dtype, group, head_size, nhd, seed=seed)
     output = torch.full_like(query, float("nan"))
     scale = head_size ** -0.5
     expected_mass, expected_output = reference_mass(query, cache, block_table, rows, counts, scale, mass, output)
     triton_mass.attention_mass(query, cache, block_table, rows, counts, scale, mass, output)
     assert_output_close(output, expected_output, dtype)
     assert_mass_close(mass, expected_mass, dtype)
+    return output
+
+
+@pytest.mark.parametrize("nhd", [False, True], ids=["HND", "NHD"])
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_attention_mass_matches_reference(dtype: torch.dtype, group: int, nhd: bool) -> None:
+    output = check_mass_against_reference(dtype, group, 32 if group == 1 else 64, nhd, seed=group)
     assert bool((output[-1] == 0).all()), "a query with 0 keys has a zero output"
 
 
@@ -102,13 +108,7 @@ def test_attention_mass_matches_reference(dtype: torch.dtype, group: int, nhd: b
 @pytest.mark.parametrize("head_size", [128, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_attention_mass_at_model_head_sizes(dtype: torch.dtype, head_size: int) -> None:
-    cache, query, block_table, rows, counts, mass = mass_scenario(dtype, 4, head_size, False, seed=head_size)
-    output = torch.full_like(query, float("nan"))
-    scale = head_size ** -0.5
-    expected_mass, expected_output = reference_mass(query, cache, block_table, rows, counts, scale, mass, output)
-    triton_mass.attention_mass(query, cache, block_table, rows, counts, scale, mass, output)
-    assert_output_close(output, expected_output, dtype)
-    assert_mass_close(mass, expected_mass, dtype)
+    check_mass_against_reference(dtype, 4, head_size, False, seed=head_size)
 
 
 def test_attention_mass_sums_over_queries_and_heads() -> None:
