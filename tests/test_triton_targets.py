@@ -8,7 +8,9 @@ import copy
 from pathlib import Path
 
 import pytest
+import torch
 
+from vllm_kvprune.kernels import triton as kernels
 from vllm_kvprune.kernels.triton import targets
 
 KERNELS = {"_attention_mass_kernel", "_head_page_attention_kernel", "_reduced_attention_kernel",
@@ -46,3 +48,23 @@ def test_the_check_refuses_what_an_amd_gpu_cannot_launch(tmp_path: Path):
     assert chosen["ok"], chosen
     assert not wide["ok"] and wide["shared_bytes"] > 65536 and "shared memory" in wide["error"]
     assert not dots["ok"] and "tf32" in dots["error"]
+
+
+@pytest.mark.parametrize(("target", "tf32"), [("sm_80", True), ("sm_90", True), ("gfx90a", False), ("gfx942", True)])
+def test_limits_are_what_the_driver_and_triton_say(target: str, tf32: bool):
+    """On a GPU the limits come from Triton's driver (the device's shared memory) and backend
+    (its dot precisions): asked here of a stand-in driver for each target, as a GPU's would be."""
+    from triton.runtime.driver import driver
+
+    before = driver._active
+    driver.set_active(targets.TargetOnlyDriver(targets.TARGETS[target]))
+    kernels._driver_limits.cache_clear()
+    try:
+        limits = kernels._driver_limits(0)
+    finally:
+        driver._active = before
+        kernels._driver_limits.cache_clear()
+    assert limits.max_shared_bytes == targets.TARGETS[target].max_shared_bytes
+    assert ("tf32" in limits.dot_precisions) == tf32
+    assert kernels.dot_precision(torch.bfloat16, limits) == ("tf32" if tf32 else "ieee")
+    assert kernels.dot_precision(torch.float32, limits) == "ieee"

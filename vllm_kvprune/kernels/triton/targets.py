@@ -35,6 +35,7 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 RECORD_VARIABLE = "KVPRUNE_RECORD_TRITON"
@@ -125,13 +126,17 @@ def distinct(path: Path) -> list[dict[str, Any]]:
 
 # ---- compiling (in a child without the interpreter) ----------------------------------------------
 class TargetOnlyDriver:
-    """What `JITFunction.warmup` asks of a driver, for a target that is not here; it launches nothing."""
+    """What compiling asks of a driver (`JITFunction.warmup`, and `device_limits`' questions:
+    the target, a device's shared memory), for a GPU that is not here; it launches nothing."""
 
-    def __init__(self, target) -> None:
-        self.target = target
+    def __init__(self, target: Target) -> None:
+        from triton.backends.compiler import GPUTarget
+
+        self.gpu_target = GPUTarget(target.backend, target.arch, target.warp_size)
+        self.utils = SimpleNamespace(get_device_properties=lambda device: {"max_shared_mem": target.max_shared_bytes})
 
     def get_current_target(self):
-        return self.target
+        return self.gpu_target
 
     def get_current_device(self) -> int:
         return 0
@@ -154,10 +159,9 @@ def compile_launch(entry: dict[str, Any], target: Target) -> dict[str, Any]:
     """Compile one recorded launch for `target`; its resources, or why it failed."""
     import importlib
 
-    from triton.backends.compiler import GPUTarget
     from triton.runtime.driver import driver
 
-    driver.set_active(TargetOnlyDriver(GPUTarget(target.backend, target.arch, target.warp_size)))
+    driver.set_active(TargetOnlyDriver(target))
     kernel = getattr(importlib.import_module(entry["module"]), entry["kernel"])
     args = [_rebuild(value) for value in entry["args"]]
     kwargs = {name: _rebuild(value) for name, value in entry["kwargs"].items()}
