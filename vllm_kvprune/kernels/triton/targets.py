@@ -58,7 +58,7 @@ TARGETS = {target.name: target for target in (
     Target("gfx90a", "hip", "gfx90a", 64, 65536, "MI210, MI250"),
     Target("gfx942", "hip", "gfx942", 64, 65536, "MI300X"),
 )}
-DEFAULT_TARGETS = ("sm_80", "sm_90", "gfx942")
+DEFAULT_TARGETS = tuple(TARGETS)
 KERNEL_TESTS = ("tests/test_triton_attention.py", "tests/test_triton_fdc_vote.py", "tests/test_triton_fdc_write.py",
                 "tests/test_triton_slot_ops.py", "tests/test_triton_policy_steps.py")
 
@@ -115,7 +115,8 @@ def record(out: Path, target: str, tests: tuple[str, ...] = KERNEL_TESTS,
     env = {**os.environ, RECORD_VARIABLE: str(out), "TRITON_INTERPRET": "1", TARGET_VARIABLE: target}
     result = subprocess.run(command, env=env, capture_output=True, text=True, cwd=root)
     if result.returncode != 0:
-        raise RuntimeError(f"the kernel tests failed in the interpreter as on {target}:\n{result.stdout[-3000:]}{result.stderr[-2000:]}")
+        raise RuntimeError(f"the kernel tests failed in the interpreter as on {target}:\n"
+                           f"{result.stdout[-3000:]}{result.stderr[-2000:]}")
     return distinct(out)
 
 
