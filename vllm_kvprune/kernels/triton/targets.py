@@ -60,7 +60,7 @@ TARGETS = {target.name: target for target in (
 )}
 DEFAULT_TARGETS = tuple(TARGETS)
 KERNEL_TESTS = ("tests/test_triton_attention.py", "tests/test_triton_fdc_vote.py", "tests/test_triton_fdc_write.py",
-                "tests/test_triton_slot_ops.py", "tests/test_triton_policy_steps.py")
+                "tests/test_triton_slot_ops.py", "tests/test_triton_policy_steps.py", "tests/test_bench_gpu_kernels.py")
 
 
 # ---- recording (in the interpreter) -------------------------------------------------------------
