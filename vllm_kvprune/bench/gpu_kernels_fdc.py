@@ -239,17 +239,19 @@ def _prefill_projections(fdc, shapes: Shapes, dtype: torch.dtype, device: str, g
                   for _ in range(2))
     query = torch.randn(tokens, shapes.kv_heads * shapes.group, shapes.head_dim, generator=generator).to(device, dtype)
 
-    def project(cast: torch.dtype) -> torch.Tensor:
-        rotations = [r.to(cast) for r in (layer.qk_rotation, layer.v_rotation, query_rotation, output_rotation)]
-        reduced_k = torch.einsum("thd,hdk->thk", key.to(cast), rotations[0])
-        reduced_v = torch.einsum("thd,hdk->thk", value.to(cast), rotations[1])
-        reduced_q = torch.einsum("tqd,qdk->tqk", query.to(cast), rotations[2])
-        # The output projection's input has the reduced attention output's shape: [T, Hq, max k_v].
-        back = torch.einsum("tqk,qdk->tqd", reduced_q[..., : rotations[3].shape[-1]], rotations[3])
-        return torch.cat([reduced_k.flatten(), reduced_v.flatten(), back.flatten()])
+    # The rotations in each dtype once, as a layer would hold them: the timed calls are the GEMMs.
+    rotations = {cast: [r.to(cast) for r in (layer.qk_rotation, layer.v_rotation, query_rotation, output_rotation)]
+                 for cast in (torch.float32, dtype)}
 
-    exact = project(torch.float32)
-    relative = float((project(dtype).float() - exact).norm() / exact.norm())
+    def project(cast: torch.dtype) -> tuple[torch.Tensor, ...]:
+        qk, v, q, out = rotations[cast]
+        reduced_q = torch.einsum("tqd,qdk->tqk", query.to(cast), q)
+        # The output projection's input has the reduced attention output's shape: [T, Hq, max k_v].
+        return (torch.einsum("thd,hdk->thk", key.to(cast), qk), torch.einsum("thd,hdk->thk", value.to(cast), v),
+                torch.einsum("tqk,qdk->tqd", reduced_q[..., : out.shape[-1]], out))
+
+    exact = torch.cat([part.flatten() for part in project(torch.float32)])
+    relative = float((torch.cat([part.float().flatten() for part in project(dtype)]) - exact).norm() / exact.norm())
     case = Case(f"fdc-prefill projections of {tokens} tokens", device, rows)
     case.time("4 einsums in fp32 (as FdcLayers runs them)", lambda: project(torch.float32), baseline=True)
     case.time(f"4 einsums in {str(dtype).removeprefix('torch.')} (tensor cores)", lambda: project(dtype),

@@ -58,7 +58,7 @@ def device_limits(device: torch.device | str | None = None) -> DeviceLimits:
         return _target_limits(named)
     if interpreted():
         return _INTERPRETER_LIMITS
-    index = torch.device(device).index if device is not None and torch.device(device).index is not None else None
+    index = torch.device(device).index if device is not None else None
     return _driver_limits(torch.cuda.current_device() if index is None else index)
 
 
