@@ -1,5 +1,7 @@
 """Builds the optional C++ extension `vllm_kvprune._C` and, with a CUDA or ROCm torch and its
-compiler, the GPU slot ops `vllm_kvprune._cuda_C`; all metadata lives in pyproject.toml.
+compiler, the GPU slot ops `vllm_kvprune._cuda_C`; with a CUDA torch, nvcc and CUTLASS's headers
+(the `[gpu]` extra), FDC's grouped projections `vllm_kvprune._cutlass_C`. All metadata lives in
+pyproject.toml.
 
 Install with `pip install --no-build-isolation -e .`: an isolated build environment would
 download the registry's newest (CUDA) torch instead of compiling against the installed one.
@@ -21,6 +23,7 @@ from setuptools import setup
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CPU_SOURCE_DIR = os.path.join("csrc", "cpu")
 CUDA_SOURCE_DIR = os.path.join("csrc", "cuda")
+CUTLASS_SOURCE_DIR = os.path.join("csrc", "cutlass")
 
 ISA_COMPILE_ARGS: dict[str, list[str]] = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"],
@@ -119,10 +122,37 @@ def gpu_extensions() -> list:
         for path in glob.glob(os.path.join(ROOT, CUDA_SOURCE_DIR, pattern))
     )
     _log(f"building vllm_kvprune._cuda_C for {toolkit} ({home}) from {len(sources)} sources")
-    return [cpp_extension.CUDAExtension(
+    slot_ops = cpp_extension.CUDAExtension(
         name="vllm_kvprune._cuda_C",
         sources=sources,
         extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3"]},
+    )
+    return [slot_ops, *cutlass_extensions(toolkit, cpp_extension)]
+
+
+def cutlass_extensions(toolkit: str, cpp_extension) -> list:
+    """`vllm_kvprune._cutlass_C` (FDC's grouped projections, csrc/cutlass) when the toolkit is
+    CUDA and CUTLASS's headers are found, else none and one line saying why."""
+    if toolkit != "CUDA":
+        _log(f"skipping vllm_kvprune._cutlass_C: CUTLASS is NVIDIA-only (this torch is {toolkit})")
+        return []
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "cutlass_headers", os.path.join(ROOT, "vllm_kvprune", "kernels", "cutlass_headers.py"))
+    headers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(headers)
+    include, where = headers.cutlass_include_dir()
+    if include is None:
+        _log(f"skipping vllm_kvprune._cutlass_C (FDC's grouped projections): {where}")
+        return []
+    sources = sorted(os.path.relpath(path, ROOT) for path in glob.glob(os.path.join(ROOT, CUTLASS_SOURCE_DIR, "*.cu")))
+    _log(f"building vllm_kvprune._cutlass_C with CUTLASS from {where}")
+    return [cpp_extension.CUDAExtension(
+        name="vllm_kvprune._cutlass_C",
+        sources=sources,
+        include_dirs=[str(include), os.path.join(ROOT, CUTLASS_SOURCE_DIR)],
+        extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", "--expt-relaxed-constexpr"]},
     )]
 
 

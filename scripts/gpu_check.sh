@@ -10,12 +10,14 @@
 # left of DEADLINE, each going on when an earlier one failed (one broken stage loses nothing
 # else), each writing into $OUT with the GPU's tag (h100, h200, ...):
 #   env        env_TAG.txt: nvidia-smi's name/driver/memory, torch, Triton, CUDA
-#   build      build_TAG.txt: `setup.py build_ext --inplace` (the C++ ops the planner uses, and
-#              the CUDA slot ops from csrc/cuda when nvcc is found)
+#   build      build_TAG.txt: `setup.py build_ext --inplace` (the C++ ops the planner uses, the
+#              CUDA slot ops from csrc/cuda when nvcc is found, and FDC's CUTLASS projections
+#              from csrc/cutlass when CUTLASS's headers are: carry `.cutlass-include`, made here by
+#              `python -m vllm_kvprune.kernels.cutlass_check --fetch --headers-for .cutlass-include`)
 #   tests      pytest_TAG.txt: every Triton kernel and the impl's policy steps on CUDA tensors
 #              against their torch references (pytest -m triton --noconftest)
 #   fdc-layer  fdc_layer_TAG.{json,txt,png}: bench gpu-kernels --cases fdc-layer (where one FDC
-#              layer's step goes: what CUTLASS for the projections could win)
+#              layer's step goes, and the CUTLASS grouped projections against torch's einsums)
 #   steps      steps_TAG.{json,txt,png}: bench gpu-steps (the wrapper's KV work per decode step)
 #   plan       plan_steps_TAG.{json,txt,png}: bench plan-steps (the host's planning alone, on that host)
 #   kernels    kernels_TAG.{json,txt,png}: bench gpu-kernels (each kernel against plain torch)
@@ -31,6 +33,8 @@ PYTHON=${PYTHON:-python3}
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(env build tests fdc-layer steps plan kernels)
 DEADLINE=${DEADLINE:-540}
+# The CUTLASS headers carried from the CPU machine (the GPU machine has no package index).
+[ -z "${CUTLASS_INCLUDE_DIR:-}" ] && [ -d .cutlass-include/cutlass ] && export CUTLASS_INCLUDE_DIR=$PWD/.cutlass-include
 
 TAG=$($PYTHON -c "import torch; from vllm_kvprune.bench.gpu_kernels import gpu_slug; \
 print(gpu_slug('cuda' if torch.cuda.is_available() else 'cpu'))" 2>/dev/null || echo unknown)
@@ -70,7 +74,9 @@ for stage in "${stages[@]}"; do
     tests)
       run_stage tests 400 "$OUT/pytest_$TAG.txt" $PYTHON -m pytest -q -p no:cacheprovider -m triton --noconftest \
         tests/test_triton_attention.py tests/test_triton_fdc_vote.py tests/test_triton_fdc_write.py \
-        tests/test_triton_slot_ops.py tests/test_triton_policy_steps.py tests/test_bench_gpu_kernels.py ;;
+        tests/test_triton_fdc_projections.py \
+        tests/test_triton_slot_ops.py tests/test_triton_policy_steps.py tests/test_bench_gpu_kernels.py \
+        tests/test_fdc_projections.py ;;
     fdc-layer)
       run_stage fdc-layer 120 "$OUT/fdc_layer_$TAG.txt" $PYTHON -m vllm_kvprune.bench.gpu_kernels \
         --cases fdc-layer --out "$OUT/fdc_layer_$TAG" ;;

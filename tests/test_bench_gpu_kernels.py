@@ -28,11 +28,17 @@ def test_every_case_runs_and_agrees_with_torch(tmp_path):
     assert len(checked) >= 8
     for row in checked:
         # bf16 outputs: one rounding of values of size ~1; the vote, the copies and the writes: exact.
-        exact = row["case"] in ("gvote vote",) or row["case"].startswith(("kv-update", "fdc-layer"))
-        limit = 0.0 if exact else 2e-2
+        # FDC's projections on the GPU runners (Triton here) against the fp32 einsums: fp32 sums
+        # in another order.
+        projection = "projections (" in row["candidate"]
+        exact = not projection and (row["case"] in ("gvote vote",) or row["case"].startswith(("kv-update", "fdc-layer")))
+        limit = 0.0 if exact else 1e-4 if projection else 2e-2
         assert row["max_abs_error"] <= limit, row
+    layer = [row["candidate"] for row in document["results"] if row["case"].startswith("fdc-layer")]
+    assert "whole layer step, Triton projections" in layer
     prefill = [row for row in document["results"] if row["case"].startswith("fdc-prefill")]
-    assert len(prefill) == 2 and 0 < prefill[1]["relative_error"] < 2e-2, prefill  # bf16 rounding, no more
+    assert len(prefill) == 3 and 0 < prefill[1]["relative_error"] < 2e-2, prefill  # bf16 rounding, no more
+    assert prefill[2]["candidate"].startswith("Triton") and prefill[2]["relative_error"] < 1e-5, prefill
     assert document["machine"]["interpreter"] == (DEVICE == "cpu")
 
 

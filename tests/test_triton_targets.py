@@ -15,7 +15,7 @@ from vllm_kvprune.kernels.triton import targets
 
 KERNELS = {"_attention_mass_kernel", "_head_page_attention_kernel", "_reduced_attention_kernel",
            "_combine_splits_kernel", "_vote_kernel", "_write_packed_kernel", "_write_slots_kernel",
-           "_read_slots_kernel", "_token_scores_kernel", "_block_means_kernel"}
+           "_read_slots_kernel", "_token_scores_kernel", "_block_means_kernel", "_head_projection_kernel"}
 
 
 @pytest.mark.slow

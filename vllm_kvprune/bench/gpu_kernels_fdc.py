@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_kvprune.bench.gpu_timing import TINY, Case, Shapes, max_abs_error
+from vllm_kvprune.worker.fdc_projections import EinsumProjections
 
 
 # ---- fdc ----------------------------------------------------------------------------------------
@@ -193,7 +194,7 @@ def case_fdc_layer(shapes: Shapes, dtype: torch.dtype, device: str, rows: list) 
     layer = fdc.layers[0]
     reduced_k = torch.einsum("thd,hdk->thk", new_key.float(), layer.qk_rotation)
     reduced_v = torch.einsum("thd,hdk->thk", new_value.float(), layer.v_rotation)
-    query_rotation, output_rotation = fdc._per_query_head(0, shapes.group)
+    query_rotation, output_rotation = EinsumProjections(fdc.layers).per_query_head(0, query.shape[1])
     reduced_q = torch.einsum("tqd,qdk->tqk", query.float(), query_rotation).to(dtype)
 
     def attend() -> torch.Tensor:
@@ -222,9 +223,59 @@ def case_fdc_layer(shapes: Shapes, dtype: torch.dtype, device: str, rows: list) 
         torch.einsum("thd,hdk->thk", new_value.float(), layer.v_rotation)))
     case.time("query and output projections (2 einsums)", lambda: torch.einsum(
         "tqk,qdk->tqd", torch.einsum("tqd,qdk->tqk", query.float(), query_rotation), output_rotation))
+    runners = _gpu_projections(fdc, device)
+    if runners:
+        einsum_out = torch.einsum("tqk,qdk->tqd", torch.einsum("tqd,qdk->tqk", query.float(), query_rotation),
+                                  output_rotation)
+    for name, projections in runners.items():
+        keys_error = max_abs_error(projections.keys_values(0, new_key, new_value)[0][..., : reduced_k.shape[-1]],
+                                   reduced_k)
+        out_error = max_abs_error(_query_then_output(projections, query), einsum_out)
+        case.time(f"key and value projections ({name}, {_LAUNCHES[name][0]})",
+                  lambda p=projections: p.keys_values(0, new_key, new_value), keys_error)
+        case.time(f"query and output projections ({name}, {_LAUNCHES[name][1]})",
+                  lambda p=projections: _query_then_output(p, query), out_error)
     case.time("reduced attention (Triton)", attend)
     case.time("whole layer step (write, projections, attention)", step)
+    einsum = fdc.projections
+    for name, projections in runners.items():
+        fdc.projections = projections
+        case.time(f"whole layer step, {name} projections", step)
+    fdc.projections = einsum
     _prefill_projections(fdc, shapes, dtype, device, generator, rows)
+
+
+# Launches a (keys and values, queries and output) pair of projections takes.
+_LAUNCHES = {"Triton": ("2 launches", "2 launches"), "CUTLASS": ("1 grouped launch", "2 grouped launches")}
+
+
+def _gpu_projections(fdc, device: str) -> dict:
+    """The GPU runners of FDC's projections that can run here, by name (what cannot is said once)."""
+    from vllm_kvprune.kernels import grouped_gemm
+    from vllm_kvprune.worker.fdc_projections import GroupedProjections, TritonProjections
+
+    from vllm_kvprune.kernels.triton import interpreted
+
+    on_gpu = torch.device(device).type == "cuda"
+    if not on_gpu and not interpreted():
+        return {}
+    runners = {"Triton": TritonProjections(fdc.layers)}  # in the interpreter too: the bench's tests
+    if not on_gpu:
+        return runners
+    if grouped_gemm.load_cutlass_ops():
+        runners["CUTLASS"] = GroupedProjections(fdc.layers, runner="cutlass")
+    else:
+        print(f"  CUTLASS projections not timed: {grouped_gemm.cutlass_load_error()}")
+    return runners
+
+
+def _query_then_output(projections, query: torch.Tensor) -> torch.Tensor:
+    """The query and output projections with nothing between: the reduced queries stand in for
+    the attention's output (zero past the ranks, as that output is; the bench's K and V ranks
+    are equal), at the width the output projection takes."""
+    reduced = projections.queries(0, query)
+    width = projections.output_width(0)
+    return projections.outputs(0, torch.nn.functional.pad(reduced, (0, max(0, width - reduced.shape[-1])))[..., :width])
 
 
 def _prefill_projections(fdc, shapes: Shapes, dtype: torch.dtype, device: str, generator: torch.Generator,
@@ -233,7 +284,7 @@ def _prefill_projections(fdc, shapes: Shapes, dtype: torch.dtype, device: str, g
     vLLM's usual chunk): in fp32 as `FdcLayers` runs them, and in the cache's dtype, which runs
     on tensor cores and bounds what a CUTLASS GEMM could win (its relative error is the price)."""
     layer = fdc.layers[0]
-    query_rotation, output_rotation = fdc._per_query_head(0, shapes.group)
+    query_rotation, output_rotation = EinsumProjections(fdc.layers).per_query_head(0, shapes.kv_heads * shapes.group)
     tokens = shapes.prompt // 4
     key, value = (torch.randn(tokens, shapes.kv_heads, shapes.head_dim, generator=generator).to(device, dtype)
                   for _ in range(2))
@@ -256,3 +307,12 @@ def _prefill_projections(fdc, shapes: Shapes, dtype: torch.dtype, device: str, g
     case.time("4 einsums in fp32 (as FdcLayers runs them)", lambda: project(torch.float32), baseline=True)
     case.time(f"4 einsums in {str(dtype).removeprefix('torch.')} (tensor cores)", lambda: project(dtype),
               relative_error=relative)
+    for name, projections in _gpu_projections(fdc, device).items():
+        def project_on(p=projections) -> tuple[torch.Tensor, ...]:
+            return (*p.keys_values(0, key, value), _query_then_output(p, query))
+
+        widths = [part.shape[-1] for part in project(torch.float32)]
+        flat = torch.cat([part[..., :w].flatten() for part, w in zip(project_on(), widths)])
+        precision = "3xTF32" if name == "CUTLASS" else "3xTF32 where Triton has it"
+        case.time(f"{name}, each head at its own rank ({precision})", project_on,
+                  relative_error=float((flat - exact).norm() / exact.norm()))

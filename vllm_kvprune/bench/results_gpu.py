@@ -162,6 +162,31 @@ def targets_section(path: Path, doc_dir: Path) -> str:
                          markdown_table(["kernel", *names], rows)])
 
 
+def cutlass_targets_section(path: Path, doc_dir: Path) -> str:
+    """Per GPU target: whether FDC's CUTLASS grouped projections compiled, and each of its two
+    kernels' registers and spills (`kernels.cutlass_check`)."""
+    document = load(path)
+    machine = document.get("machine", {})
+    shared = " and ".join(f"{value} B" for value in document.get("shared_bytes", {}).values()) or MISSING
+    setup = (f"FDC's grouped projections (`{document.get('source', MISSING)}`: CUTLASS "
+             f"{document.get('cutlass', MISSING)}'s grouped GEMM from the package index, SM80 tensor-op tiles, "
+             f"3xTF32) compiled by nvcc ({document.get('nvcc', MISSING)}) on a CPU-only machine (head "
+             f"`{machine.get('head', MISSING)}`, {machine.get('time_utc', MISSING)}). Two kernels: B row-major "
+             "(the key, value and query projections) and column-major (the output's); a block's shared memory "
+             f"{shared} (measured by a host program linked with the kernel's host code; under 48 KiB, so no opt-in "
+             "is needed on any target, which the source asserts at compile time). Compiled, not run.")
+    rows = []
+    for target in document.get("targets", []):
+        kernels = target.get("kernels", [])
+        rows.append([target["target"], "yes" if target["ok"] else f"NO: {target.get('error', '')[:80]}",
+                     ", ".join(str(kernel.get("registers", MISSING)) for kernel in kernels) or MISSING,
+                     str(sum(kernel.get("spill_store_bytes", 0) for kernel in kernels)), f"{target['seconds']:.0f}"])
+    return "\n\n".join([f"### CUTLASS kernel compiled for GPUs, without one (`{Path(path).name}`)",
+                         f"Command: `{shown_command(machine.get('command'))}`", setup,
+                         markdown_table(["target", "compiled", "registers (2 kernels)", "spilled bytes",
+                                         "nvcc s"], rows)])
+
+
 def _target_cell(line: dict | None) -> str:
     if line is None:
         return MISSING

@@ -182,6 +182,8 @@ def render(results_dir: Path, page_path: Path) -> str:
     compiled = results_dir / "gpu" / "triton_targets.json"
     if compiled.is_file():
         gpu_parts.append(results_gpu.targets_section(compiled, page_path.parent))
+    if (cutlass_compiled := results_dir / "gpu" / "cutlass_targets.json").is_file():
+        gpu_parts.append(results_gpu.cutlass_targets_section(cutlass_compiled, page_path.parent))
     if any(gpu_parts):
         parts += ["## GPU kernels", *gpu_parts]
 

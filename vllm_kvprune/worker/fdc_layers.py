@@ -24,6 +24,7 @@ import torch
 
 from vllm_kvprune.fdc import calibration as fdc
 from vllm_kvprune.kernels.reduced_attention import PackedHeads, reduced_attention
+from vllm_kvprune.worker.fdc_projections import EinsumProjections, FdcProjections, projections_for
 from vllm_kvprune.worker.tensor_parallel import kv_head_range
 
 
@@ -59,7 +60,9 @@ class FdcLayers:
                                                  calibration.v_rank[index][list(heads)]).row_width
                           for heads in every_rank) / granule) * granule
             for index in range(calibration.num_layers)]
-        self._query_rotations: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # The four projections around attention (`worker/fdc_projections.py`): torch's einsums
+        # until `to()` picks what VLLM_KVPRUNE_FDC_PROJECTIONS asks for on the cache's device.
+        self.projections: FdcProjections = EinsumProjections(self.layers)
 
     @staticmethod
     def _layer(calibration: fdc.FdcCalibration, index: int, kv_heads: range, keys_by_token: bool) -> FdcLayer:
@@ -73,10 +76,11 @@ class FdcLayers:
         return FdcLayer(PackedHeads.from_ranks(k_ranks, v_ranks, keys_by_token), qk.contiguous(), v.contiguous())
 
     def to(self, device: torch.device | str) -> FdcLayers:
-        """The rotations moved beside the cache (a GPU's), once at load; in place."""
+        """The rotations moved beside the cache (a GPU's), once at load, and the projections
+        VLLM_KVPRUNE_FDC_PROJECTIONS names (ValueError if they cannot run there); in place."""
         self.layers = [FdcLayer(layer.heads, layer.qk_rotation.to(device), layer.v_rotation.to(device))
                        for layer in self.layers]
-        self._query_rotations.clear()
+        self.projections = projections_for(self.layers, device)
         return self
 
     def layer_head_size(self, layer: int) -> int:
@@ -96,13 +100,11 @@ class FdcLayers:
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
               slots: torch.Tensor, block_size: int, *, writer) -> tuple[torch.Tensor, torch.Tensor]:
         """Reduce the new tokens' keys/values `[T, H, d]` and store them at `slots`; returns the
-        reduced keys and values (fp32, `[T, H, max k]`, zero past each head's rank), for a
+        reduced keys and values (fp32, `[T, H, >= max k]`, zero past each head's rank), for a
         policy that scores what is cached. `writer`: the platform's narrow write
         (`KernelSet.write_narrow`, which skips slot -1)."""
-        fdc_layer = self.layers[layer]
-        reduced_keys = torch.einsum("thd,hdk->thk", key.float(), fdc_layer.qk_rotation)
-        reduced_values = torch.einsum("thd,hdk->thk", value.float(), fdc_layer.v_rotation)
-        writer(fdc_layer.heads, blocks_of(kv_cache), slots, reduced_keys, reduced_values, block_size)
+        reduced_keys, reduced_values = self.projections.keys_values(layer, key, value)
+        writer(self.layers[layer].heads, blocks_of(kv_cache), slots, reduced_keys, reduced_values, block_size)
         return reduced_keys, reduced_values
 
     def copy(self, layer: int, kv_cache: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor,
@@ -127,24 +129,11 @@ class FdcLayers:
         """Attention of queries `[T, Hq, d]` in the reduced space; returns `[T, Hq, d]` fp32.
         `attention`: the platform's kernel (`KernelSet.reduced_attention`: the C++ op, or
         Triton's on a GPU), with `kernels.reduced_attention`'s arguments."""
-        fdc_layer = self.layers[layer]
-        group = query.shape[1] // self.num_kv_heads
-        query_rotation, output_rotation = self._per_query_head(layer, group)
-        reduced = torch.einsum("tqd,qdk->tqk", query.float(), query_rotation)
+        reduced = self.projections.queries(layer, query)
         cache = blocks_of(kv_cache)
         out = attention(reduced.to(cache.dtype), cache, block_table, query_start_loc, seq_lens,
-                        fdc_layer.heads, scale, fdc_layer.v_rotation.shape[-1], block_size=block_size)
-        return torch.einsum("tqk,qdk->tqd", out, output_rotation)
-
-    def _per_query_head(self, layer: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each query head's copy of its KV head's Q/K and V rotations (`[Hq, d, k]`), made once."""
-        cached = self._query_rotations.get(layer)
-        if cached is None:
-            fdc_layer = self.layers[layer]
-            cached = (fdc_layer.qk_rotation.repeat_interleave(group, dim=0).contiguous(),
-                      fdc_layer.v_rotation.repeat_interleave(group, dim=0).contiguous())
-            self._query_rotations[layer] = cached
-        return cached
+                        self.layers[layer].heads, scale, self.projections.output_width(layer), block_size=block_size)
+        return self.projections.outputs(layer, out)
 
 
 def blocks_of(kv_cache: torch.Tensor) -> torch.Tensor:

@@ -60,7 +60,8 @@ TARGETS = {target.name: target for target in (
 )}
 DEFAULT_TARGETS = tuple(TARGETS)
 KERNEL_TESTS = ("tests/test_triton_attention.py", "tests/test_triton_fdc_vote.py", "tests/test_triton_fdc_write.py",
-                "tests/test_triton_slot_ops.py", "tests/test_triton_policy_steps.py", "tests/test_bench_gpu_kernels.py")
+                "tests/test_triton_fdc_projections.py", "tests/test_triton_slot_ops.py",
+                "tests/test_triton_policy_steps.py", "tests/test_bench_gpu_kernels.py")
 
 
 # ---- recording (in the interpreter) -------------------------------------------------------------
@@ -256,7 +257,7 @@ def _compile_child(target: str, inputs: str, outputs: str) -> None:
     Path(outputs).write_text(json.dumps(rows))
 
 
-def _git_head() -> str | None:
+def git_head() -> str | None:
     found = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                            cwd=Path(__file__).resolve().parents[3])
     return found.stdout.strip() or None
@@ -304,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"FAILED {row['kernel']} on {row['target']} {row['constants']}: {row['error']}")
     stem = Path(args.out)
     stem.parent.mkdir(parents=True, exist_ok=True)
-    machine = {"command": [sys.executable, *sys.argv], "head": _git_head(),
+    machine = {"command": [sys.executable, *sys.argv], "head": git_head(),
                "time_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     document = {"check": "triton-targets", "triton": triton.__version__, "machine": machine,
                 "targets": [{**asdict(TARGETS[name]), "distinct_launches": launches[name]} for name in args.targets],

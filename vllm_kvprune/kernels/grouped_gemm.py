@@ -1,0 +1,144 @@
+"""Grouped GEMMs: many small fp32 products of different shapes, described once and run either by
+CUTLASS (``csrc/cutlass``, one launch on a CUDA device) or by torch (a product per group, the
+reference and the fallback).
+
+A group ``g`` computes ``D_g = A_g @ B_g`` with ``A_g`` ``[m, k]`` and ``D_g`` ``[m, n]`` row-major
+inside some tensor (any leading dimension), and ``B_g`` ``[k, n]`` row-major or column-major (a
+matrix read transposed). FDC's projections are such groups: a head's tokens times that head's
+rotation cut to its rank (``worker/fdc_projections.py``).
+
+CUTLASS reads 16-byte vectors, so every ``n``, ``k``, leading dimension and element offset must
+be a multiple of :data:`ALIGNMENT` and every tensor's address 16-byte aligned:
+:meth:`GroupedGemm.check_alignment` says which is not. The torch runner has no such need.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from vllm_kvprune.kernels.cutlass_headers import cutlass_include_dir
+
+logger = logging.getLogger(__name__)
+
+ALIGNMENT = 4  # fp32 elements in a 16-byte access (kvprune_cutlass::kAlignment)
+
+
+@dataclass(frozen=True)
+class Operand:
+    """A row-major (or, for B, possibly column-major) matrix inside ``tensor``'s storage,
+    starting ``offset`` elements after ``tensor``'s first, ``ld`` elements between rows (columns)."""
+
+    tensor: torch.Tensor
+    offset: int
+    ld: int
+
+    def view(self, rows: int, cols: int, column_major: bool = False) -> torch.Tensor:
+        strides = (1, self.ld) if column_major else (self.ld, 1)
+        return self.tensor.as_strided((rows, cols), strides, self.tensor.storage_offset() + self.offset)
+
+    @property
+    def address(self) -> int:
+        return self.tensor.data_ptr() + self.offset * self.tensor.element_size()
+
+
+@dataclass
+class GroupedGemm:
+    """Groups of ``D = A @ B`` (fp32). ``b_column_major`` holds for every group."""
+
+    b_column_major: bool = False
+    sizes: list[tuple[int, int, int]] = field(default_factory=list)  # (m, n, k) per group
+    a: list[Operand] = field(default_factory=list)
+    b: list[Operand] = field(default_factory=list)
+    d: list[Operand] = field(default_factory=list)
+
+    def add(self, m: int, n: int, k: int, a: Operand, b: Operand, d: Operand) -> None:
+        self.sizes.append((m, n, k))
+        self.a.append(a), self.b.append(b), self.d.append(d)
+
+    def check_alignment(self) -> str | None:
+        """Why CUTLASS could not run these groups (None if it can)."""
+        for g, ((m, n, k), *operands) in enumerate(zip(self.sizes, self.a, self.b, self.d)):
+            if n % ALIGNMENT or k % ALIGNMENT:
+                return f"group {g}: n={n}, k={k} are not multiples of {ALIGNMENT}"
+            for name, operand in zip("abd", operands):
+                if operand.tensor.dtype != torch.float32:
+                    return f"group {g}: {name} is {operand.tensor.dtype}, not float32"
+                if operand.ld % ALIGNMENT or operand.offset % ALIGNMENT or operand.address % 16:
+                    return f"group {g}: {name}'s leading dimension {operand.ld} or address is not 16-byte aligned"
+        return None
+
+    def run_torch(self) -> None:
+        """Every group as one torch product (fp32)."""
+        for (m, n, k), a, b, d in zip(self.sizes, self.a, self.b, self.d):
+            torch.mm(a.view(m, k), b.view(k, n, self.b_column_major), out=d.view(m, n))
+
+    def run_cutlass(self) -> None:
+        """Every group in one CUTLASS launch on the current stream (see :func:`load_cutlass_ops`)."""
+        if not self.sizes:
+            return
+        if (reason := self.check_alignment()) is not None:
+            raise ValueError(f"CUTLASS's grouped GEMM cannot run these groups: {reason}")
+        if not load_cutlass_ops():
+            raise RuntimeError(f"the CUTLASS ops are not available: {_load_error}")
+        device = self.d[0].tensor.device
+        # One pinned host table, one asynchronous copy: addresses and leading dimensions of A, B, D
+        # (the op reads them as [3, G] each; `tests/test_fdc_projections.py` checks this contract).
+        table = torch.tensor([[o.address for o in self.a], [o.address for o in self.b], [o.address for o in self.d],
+                              [o.ld for o in self.a], [o.ld for o in self.b], [o.ld for o in self.d]],
+                             dtype=torch.int64)
+        sizes = torch.tensor(self.sizes, dtype=torch.int32)
+        if device.type == "cuda":
+            table, sizes = table.pin_memory(), sizes.pin_memory()
+        on_device = table.to(device, non_blocking=True)
+        torch.ops.kvprune_cutlass.grouped_gemm(sizes.to(device, non_blocking=True), sizes, on_device[:3].contiguous(),
+                                               on_device[3:].contiguous(), self.b_column_major)
+
+
+_JIT_NAME = "kvprune_cutlass_projections"
+_SOURCES = Path(__file__).resolve().parents[2] / "csrc" / "cutlass"
+_loaded: bool | None = None
+_load_error: str | None = None
+
+
+def load_cutlass_ops() -> bool:
+    """Whether ``torch.ops.kvprune_cutlass.grouped_gemm`` is available: from the extension
+    ``vllm_kvprune._cutlass_C`` that ``setup.py`` built, else JIT-built from ``csrc/cutlass``
+    where a CUDA device, a CUDA torch, nvcc and CUTLASS's headers are. Remembered per process;
+    never raises (:func:`cutlass_load_error` says why not)."""
+    global _loaded, _load_error
+    if _loaded is None:
+        _loaded, _load_error = _load()
+        if not _loaded:
+            logger.info("CUTLASS ops unavailable: %s", _load_error)
+    return _loaded
+
+
+def cutlass_load_error() -> str | None:
+    return _load_error
+
+
+def _load() -> tuple[bool, str | None]:
+    try:
+        importlib.import_module("vllm_kvprune._cutlass_C")
+        return True, None
+    except ImportError as error:
+        installed = f"vllm_kvprune._cutlass_C is not built ({error})"
+    if not torch.cuda.is_available() or torch.version.cuda is None:
+        return False, f"{installed}; no CUDA device and CUDA torch to JIT-build for"
+    include, where = cutlass_include_dir()
+    if include is None:
+        return False, f"{installed}; {where}"
+    from torch.utils.cpp_extension import load
+
+    sources = sorted(str(path) for path in _SOURCES.glob("*.cu"))
+    try:
+        load(name=_JIT_NAME, sources=sources, extra_include_paths=[str(include), str(_SOURCES)],
+             extra_cuda_cflags=["-O3", "--expt-relaxed-constexpr"], is_python_module=False, verbose=False)
+    except Exception as error:  # a compiler error: report it, the caller keeps torch's projections
+        return False, f"JIT build of {_SOURCES} failed: {error}"
+    return True, None
