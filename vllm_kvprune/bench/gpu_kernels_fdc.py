@@ -252,9 +252,8 @@ _LAUNCHES = {"Triton": ("2 launches", "2 launches"), "CUTLASS": ("1 grouped laun
 def _gpu_projections(fdc, device: str) -> dict:
     """The GPU runners of FDC's projections that can run here, by name (what cannot is said once)."""
     from vllm_kvprune.kernels import grouped_gemm
-    from vllm_kvprune.worker.fdc_projections import GroupedProjections, TritonProjections
-
     from vllm_kvprune.kernels.triton import interpreted
+    from vllm_kvprune.worker.fdc_projections import GroupedProjections, TritonProjections
 
     on_gpu = torch.device(device).type == "cuda"
     if not on_gpu and not interpreted():

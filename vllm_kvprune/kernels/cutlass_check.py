@@ -85,6 +85,13 @@ def fetch() -> None:
         tool.chmod(0o755)  # zip files keep no permissions
 
 
+def _nvcc_command(nvcc: Path, include: Path, target: str, *arguments: str) -> list[str]:
+    """nvcc with the flags every compile of the source needs (C++17, CUTLASS's constexpr use, its
+    headers and ours), for `target`."""
+    return [str(nvcc), "-std=c++17", "--expt-relaxed-constexpr", f"-arch={target}", f"-I{include}",
+            f"-I{SOURCE.parent}", *arguments]
+
+
 # Prints a block's shared memory for B row-major and column-major (host code, no GPU needed).
 _SHARED_PROBE = """#include <cstdio>
 #include "fdc_projections.h"
@@ -97,8 +104,7 @@ def shared_bytes(nvcc: Path, include: Path) -> list[int]:
     with tempfile.TemporaryDirectory() as folder:
         probe, program = Path(folder) / "probe.cu", Path(folder) / "probe"
         probe.write_text(_SHARED_PROBE)
-        subprocess.run([str(nvcc), "-std=c++17", "--expt-relaxed-constexpr", "-arch=sm_90", f"-I{include}",
-                        f"-I{SOURCE.parent}", str(probe), str(SOURCE), "-o", str(program)],
+        subprocess.run(_nvcc_command(nvcc, include, "sm_90", str(probe), str(SOURCE), "-o", str(program)),
                        capture_output=True, text=True, check=True)
         return [int(word) for word in subprocess.run([str(program)], capture_output=True, text=True,
                                                       check=True).stdout.split()]
@@ -131,8 +137,8 @@ def compile_for(target: str, nvcc: Path, include: Path) -> dict:
     """One target's compile: {target, ok, seconds, kernels, error}."""
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as folder:
-        command = [str(nvcc), "-std=c++17", "-O3", "--expt-relaxed-constexpr", f"-arch={target}", "-Xptxas", "-v",
-                   f"-I{include}", f"-I{SOURCE.parent}", "-c", str(SOURCE), "-o", str(Path(folder) / "kernel.o")]
+        command = _nvcc_command(nvcc, include, target, "-O3", "-Xptxas", "-v", "-c", str(SOURCE),
+                                "-o", str(Path(folder) / "kernel.o"))
         done = subprocess.run(command, capture_output=True, text=True)
     result = {"target": target, "ok": done.returncode == 0, "seconds": round(time.monotonic() - started, 1),
               "kernels": parse_ptxas(done.stderr + done.stdout)}
@@ -147,8 +153,8 @@ def compile_for(target: str, nvcc: Path, include: Path) -> dict:
 def copy_used_headers(nvcc: Path, include: Path, destination: Path) -> int:
     """Copy the headers under ``include`` that the source includes (nvcc's dependency list) to
     ``destination``, keeping their paths; returns how many."""
-    done = subprocess.run([str(nvcc), "-std=c++17", "--expt-relaxed-constexpr", "-arch=sm_90", f"-I{include}",
-                           f"-I{SOURCE.parent}", "-M", str(SOURCE)], capture_output=True, text=True, check=True)
+    done = subprocess.run(_nvcc_command(nvcc, include, "sm_90", "-M", str(SOURCE)), capture_output=True, text=True,
+                          check=True)
     used = {Path(word).resolve() for word in done.stdout.replace("\\\n", " ").split() if word.endswith((".h", ".hpp"))}
     root = include.resolve()
     headers = sorted(path for path in used if path.is_relative_to(root))

@@ -95,8 +95,9 @@ class GroupedGemm:
         if device.type == "cuda":
             table, sizes = table.pin_memory(), sizes.pin_memory()
         on_device = table.to(device, non_blocking=True)
-        torch.ops.kvprune_cutlass.grouped_gemm(sizes.to(device, non_blocking=True), sizes, on_device[:3].contiguous(),
-                                               on_device[3:].contiguous(), self.b_column_major)
+        # Row slices of the contiguous [6, G] table: contiguous [3, G] each.
+        torch.ops.kvprune_cutlass.grouped_gemm(sizes.to(device, non_blocking=True), sizes, on_device[:3],
+                                               on_device[3:], self.b_column_major)
 
 
 _JIT_NAME = "kvprune_cutlass_projections"
