@@ -46,6 +46,13 @@ import importlib
 
 import torch
 
+# First as the package loads them (kernels/op_library.py: the built extension, before any JIT).
+from vllm_kvprune.kernels.grouped_gemm import LIBRARY as cutlass_ops
+from vllm_kvprune.kernels.triton.cuda_ops import LIBRARY as slot_ops
+
+for library in (slot_ops, cutlass_ops):
+    assert library.load(), library.error
+    print(f"{library.what}: {library.module} loaded through OpLibrary")
 for module, namespace, ops in (("vllm_kvprune._cuda_C", "kvprune_cuda", ("write_slots", "read_slots", "copy_slots")),
                                ("vllm_kvprune._cutlass_C", "kvprune_cutlass", ("grouped_gemm",))):
     importlib.import_module(module)  # fails on an undefined symbol

@@ -68,3 +68,46 @@ def test_mla_models_refused():
     model = str(zoo_model_dir("deepseek-mla"))
     with pytest.raises(ValueError, match=r"cannot run with MLA attention \(DeepseekV2ForCausalLM: a latent KV cache"):
         make_llm(model, {"name": "paged_eviction", "budget": 384})
+
+
+@pytest.fixture(scope="module")
+def fdc_file(tiny_model, tmp_path_factory) -> str:
+    """A calibration of the tiny model (what an fdc policy needs to get as far as its runner)."""
+    from vllm_kvprune.fdc import calibration
+
+    path = tmp_path_factory.mktemp("fdc") / "tiny.safetensors"
+    calibration.calibrate(tiny_model, tokens=64, seq_len=32, seed=0, rate=0.5).save(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("value, uses_fdc, message", [
+    ("cublas", False, "VLLM_KVPRUNE_FDC_PROJECTIONS: 'cublas' is not one of torch, triton, cutlass"),
+    ("triton", True, "VLLM_KVPRUNE_FDC_PROJECTIONS: triton needs a GPU; the cache is on the CPU"),
+    ("cutlass", True, "VLLM_KVPRUNE_FDC_PROJECTIONS: cutlass needs a CUDA device"),
+])
+def test_fdc_projections_variable_refused_before_start(tiny_model, fdc_file, monkeypatch, value, uses_fdc, message):
+    # Before: the worker refused it, as the root cause of vLLM's engine-start traceback.
+    monkeypatch.setenv("VLLM_KVPRUNE_FDC_PROJECTIONS", value)
+    policy = {"name": "fdc", "fdc": fdc_file} if uses_fdc else {"name": "streaming", "budget": 64}
+    with pytest.raises(ValueError) as info:
+        make_llm(tiny_model, policy)
+    assert message in str(info.value)
+
+
+def test_fdc_projections_variable_checked_where_it_matters(fdc_file, monkeypatch):
+    """A GPU runner set on a CPU machine stops only a policy that uses FDC; a typo stops any."""
+    from vllm_kvprune import plugin
+    from vllm_kvprune.config import KVConfigError, KVPolicyConfig
+    from vllm_kvprune.worker import fdc_projections
+
+    monkeypatch.setenv("VLLM_KVPRUNE_FDC_PROJECTIONS", "triton")
+    plugin.check_fdc_projections(KVPolicyConfig(name="h2o"))
+    with pytest.raises(KVConfigError, match="triton needs a GPU"):
+        plugin.check_fdc_projections(KVPolicyConfig(name="streaming", fdc=fdc_file))
+    monkeypatch.setenv("VLLM_KVPRUNE_FDC_PROJECTIONS", "Triton")
+    with pytest.raises(KVConfigError, match="'Triton' is not one of"):
+        plugin.check_fdc_projections(KVPolicyConfig(name="h2o"))
+    # Where each runner can run, as the worker checks it on the cache's device.
+    assert [fdc_projections.refusal(kind, "cuda") for kind in fdc_projections.KINDS] == [None, None, None]
+    assert fdc_projections.refusal("triton", "rocm") is None
+    assert "on ROCm use triton" in fdc_projections.refusal("cutlass", "rocm")

@@ -197,6 +197,7 @@ def policy_from_args(args) -> KVPolicyConfig | None:
     if policy.name not in AVAILABLE_POLICIES:
         raise KVConfigError(CLI.name("policy"), f"policy {policy.name} is not available yet")
     check_fdc_file(policy, getattr(args, "model", None), CLI)
+    check_fdc_projections(policy)
     unsupported.check(policy.name, args)
     return policy
 
@@ -214,6 +215,22 @@ def check_fdc_file(policy: KVPolicyConfig, model: str | None, surface=DICT) -> N
         calibration.load(policy.fdc, model if model is not None and Path(model).is_dir() else None)
     except calibration.FdcFileError as error:
         raise KVConfigError(surface.name("fdc"), str(error)) from None
+
+
+def check_fdc_projections(policy: KVPolicyConfig) -> None:
+    """VLLM_KVPRUNE_FDC_PROJECTIONS before the engine starts, as the flags are: a value that names
+    no runner always; a runner this platform cannot run where the policy uses FDC (the worker
+    checks again on the cache's device, and loads CUTLASS's op)."""
+    from vllm.platforms import current_platform
+
+    from vllm_kvprune.worker import fdc_projections
+
+    platform = None
+    if policy.fdc is not None:
+        platform = "cpu" if current_platform.is_cpu() else "rocm" if current_platform.is_rocm() else "cuda"
+    problem = fdc_projections.refusal(fdc_projections.requested_kind(), platform)
+    if problem is not None:
+        raise KVConfigError(fdc_projections.ENV_VARIABLE, problem)
 
 
 def _exit_on_bad_flags(namespace) -> None:
@@ -277,6 +294,7 @@ def _adjust_vllm_config(vllm_config, policy: KVPolicyConfig) -> None:
     block_size = vllm_config.cache_config.block_size
     policy.check_engine(block_size)
     check_fdc_file(policy, vllm_config.model_config.model)
+    check_fdc_projections(policy)
     parallel = vllm_config.parallel_config
     if parallel.worker_cls not in ("auto", stock_worker, worker_cls):
         raise ValueError(f"kv_policy needs its own worker; --worker-cls {parallel.worker_cls} is not supported")

@@ -14,16 +14,12 @@ be a multiple of :data:`ALIGNMENT` and every tensor's address 16-byte aligned:
 
 from __future__ import annotations
 
-import importlib
-import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from vllm_kvprune.kernels.cutlass_headers import cutlass_include_dir
-
-logger = logging.getLogger(__name__)
+from vllm_kvprune.kernels.op_library import REPOSITORY, OpLibrary
 
 ALIGNMENT = 4  # fp32 elements in a 16-byte access (kvprune_cutlass::kAlignment)
 
@@ -84,7 +80,7 @@ class GroupedGemm:
         if (reason := self.check_alignment()) is not None:
             raise ValueError(f"CUTLASS's grouped GEMM cannot run these groups: {reason}")
         if not load_cutlass_ops():
-            raise RuntimeError(f"the CUTLASS ops are not available: {_load_error}")
+            raise RuntimeError(f"the CUTLASS ops are not available: {LIBRARY.error}")
         device = self.d[0].tensor.device
         # One pinned host table, one asynchronous copy: addresses and leading dimensions of A, B, D
         # (the op reads them as [3, G] each; `tests/test_fdc_projections.py` checks this contract).
@@ -100,10 +96,15 @@ class GroupedGemm:
                                                on_device[3:], self.b_column_major)
 
 
-_JIT_NAME = "kvprune_cutlass_projections"
-_SOURCES = Path(__file__).resolve().parents[2] / "csrc" / "cutlass"
-_loaded: bool | None = None
-_load_error: str | None = None
+def _cutlass_includes() -> tuple[list[str] | None, str]:
+    include, where = cutlass_include_dir()
+    return (None, where) if include is None else ([str(include), str(_SOURCES)], "")
+
+
+_SOURCES = REPOSITORY / "csrc" / "cutlass"
+LIBRARY = OpLibrary("CUTLASS ops", module="vllm_kvprune._cutlass_C", probe="kvprune_cutlass.grouped_gemm",
+                    jit_name="kvprune_cutlass_projections", sources=sorted(_SOURCES.glob("*.cu")) or [_SOURCES / "fdc_projections.cu"],
+                    extra_cuda_cflags=["-O3", "--expt-relaxed-constexpr"], include_dirs=_cutlass_includes)
 
 
 def load_cutlass_ops() -> bool:
@@ -111,35 +112,8 @@ def load_cutlass_ops() -> bool:
     ``vllm_kvprune._cutlass_C`` that ``setup.py`` built, else JIT-built from ``csrc/cutlass``
     where a CUDA device, a CUDA torch, nvcc and CUTLASS's headers are. Remembered per process;
     never raises (:func:`cutlass_load_error` says why not)."""
-    global _loaded, _load_error
-    if _loaded is None:
-        _loaded, _load_error = _load()
-        if not _loaded:
-            logger.info("CUTLASS ops unavailable: %s", _load_error)
-    return _loaded
+    return LIBRARY.load()
 
 
 def cutlass_load_error() -> str | None:
-    return _load_error
-
-
-def _load() -> tuple[bool, str | None]:
-    try:
-        importlib.import_module("vllm_kvprune._cutlass_C")
-        return True, None
-    except ImportError as error:
-        installed = f"vllm_kvprune._cutlass_C is not built ({error})"
-    if not torch.cuda.is_available() or torch.version.cuda is None:
-        return False, f"{installed}; no CUDA device and CUDA torch to JIT-build for"
-    include, where = cutlass_include_dir()
-    if include is None:
-        return False, f"{installed}; {where}"
-    from torch.utils.cpp_extension import load
-
-    sources = sorted(str(path) for path in _SOURCES.glob("*.cu"))
-    try:
-        load(name=_JIT_NAME, sources=sources, extra_include_paths=[str(include), str(_SOURCES)],
-             extra_cuda_cflags=["-O3", "--expt-relaxed-constexpr"], is_python_module=False, verbose=False)
-    except Exception as error:  # a compiler error: report it, the caller keeps torch's projections
-        return False, f"JIT build of {_SOURCES} failed: {error}"
-    return True, None
+    return LIBRARY.error

@@ -25,6 +25,7 @@ from typing import Protocol
 
 import torch
 
+from vllm_kvprune.config import KVConfigError
 from vllm_kvprune.kernels import grouped_gemm
 from vllm_kvprune.kernels.grouped_gemm import ALIGNMENT, GroupedGemm, Operand
 
@@ -192,22 +193,45 @@ class GroupedProjections:
             gemm.run_torch()
 
 
+def requested_kind() -> str:
+    """What ``VLLM_KVPRUNE_FDC_PROJECTIONS`` asks for (``torch`` when unset)."""
+    return os.environ.get(ENV_VARIABLE, "torch")
+
+
+def refusal(kind: str, platform: str | None = None) -> str | None:
+    """Why runner ``kind`` cannot run (None: it can, as far as can be told before its op loads).
+    ``platform`` is ``cpu``, ``cuda`` or ``rocm``; None checks the value alone (the front end of
+    a policy without FDC refuses a typo, not a GPU runner set on a CPU machine)."""
+    if kind not in KINDS:
+        return f"{kind!r} is not one of {', '.join(KINDS)}"
+    if platform == "cpu" and kind != "torch":
+        device = "a CUDA device" if kind == "cutlass" else "a GPU"
+        return f"{kind} needs {device}; the cache is on the CPU here (use torch, the default)"
+    if platform == "rocm" and kind == "cutlass":
+        return "cutlass needs a CUDA device (CUTLASS is NVIDIA's); on ROCm use triton"
+    return None
+
+
+def platform_of(device: torch.device | str) -> str:
+    """``cpu``, ``cuda`` or ``rocm`` (torch calls a ROCm device ``cuda``)."""
+    kind = torch.device(device).type
+    return "rocm" if kind == "cuda" and torch.version.hip else kind
+
+
 def projections_for(layers: list, device: torch.device | str, kind: str | None = None) -> FdcProjections:
     """The projections ``VLLM_KVPRUNE_FDC_PROJECTIONS`` (or ``kind``) asks for, on ``device``; raises
-    ValueError naming the variable for a kind that cannot run here (never falls back silently)."""
-    kind = kind or os.environ.get(ENV_VARIABLE, "torch")
-    if kind not in KINDS:
-        raise ValueError(f"{ENV_VARIABLE}={kind!r}: expected one of {', '.join(KINDS)}")
+    KVConfigError (a ValueError) naming the variable for a kind that cannot run here (never falls back silently).
+    The front end refuses the same with :func:`refusal` before the engine starts."""
+    kind = kind or requested_kind()
+    problem = refusal(kind, platform_of(device))
+    if problem is not None:
+        raise KVConfigError(ENV_VARIABLE, problem)
     if kind == "torch":
         return EinsumProjections(layers)
     if kind == "triton":
-        if torch.device(device).type == "cpu":
-            raise ValueError(f"{ENV_VARIABLE}=triton needs a GPU; the cache is on {device}")
         return TritonProjections(layers)
-    if torch.device(device).type != "cuda":
-        raise ValueError(f"{ENV_VARIABLE}=cutlass needs a CUDA device; the cache is on {device}")
     if not grouped_gemm.load_cutlass_ops():
-        raise ValueError(f"{ENV_VARIABLE}=cutlass: {grouped_gemm.cutlass_load_error()}")
+        raise KVConfigError(ENV_VARIABLE, f"cutlass: {grouped_gemm.cutlass_load_error()}")
     return GroupedProjections(layers, runner="cutlass")
 
 

@@ -10,22 +10,15 @@ remembered for the process; :func:`load_error` says why the ops are not availabl
 
 from __future__ import annotations
 
-import importlib
-import logging
-import shutil
 from pathlib import Path
 
 import torch
 
+from vllm_kvprune.kernels.op_library import REPOSITORY, OpLibrary
 from vllm_kvprune.kernels.triton import slot_ops
 
-logger = logging.getLogger(__name__)
-
-_SOURCE = Path(__file__).resolve().parents[3] / "csrc" / "cuda" / "slot_ops.cu"
-_JIT_NAME = "kvprune_cuda_slot_ops"
-
-_loaded: bool | None = None  # None until the first load_cuda_ops()
-_load_error: str | None = None
+LIBRARY = OpLibrary("CUDA slot ops", module="vllm_kvprune._cuda_C", probe="kvprune_cuda.write_slots",
+                    jit_name="kvprune_cuda_slot_ops", sources=[REPOSITORY / "csrc" / "cuda" / "slot_ops.cu"])
 
 
 def load_cuda_ops(build_dir: str | Path | None = None) -> bool:
@@ -33,25 +26,18 @@ def load_cuda_ops(build_dir: str | Path | None = None) -> bool:
     loading or building them on the first call. ``build_dir`` is the JIT build directory
     (default: torch's extension cache). Never raises: a failed build returns False and its
     message is kept for :func:`load_error`."""
-    global _loaded, _load_error
-    if _loaded is not None:
-        return _loaded
-    _loaded, _load_error = _load(build_dir)
-    if not _loaded:
-        logger.info("CUDA slot ops unavailable: %s", _load_error)
-    return _loaded
+    return LIBRARY.load(build_dir)
 
 
 def load_error() -> str | None:
     """Why the last :func:`load_cuda_ops` found no ops (None if they loaded or it never ran)."""
-    return _load_error
+    return LIBRARY.error
 
 
 def can_jit_build() -> bool:
     """Whether this machine can JIT-build the ops: a CUDA device, a CUDA build of torch, nvcc,
     and the source file of a checkout."""
-    return (torch.cuda.is_available() and torch.version.cuda is not None and _nvcc() is not None
-            and _SOURCE.is_file())
+    return LIBRARY.can_jit_build()
 
 
 def write_slots(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
@@ -87,48 +73,5 @@ def _checked(kv_cache: torch.Tensor, slots: torch.Tensor, name: str, check_range
 
 def _ops():
     if not load_cuda_ops():
-        raise RuntimeError(f"the CUDA slot ops are not available: {_load_error}")
+        raise RuntimeError(f"the CUDA slot ops are not available: {LIBRARY.error}")
     return torch.ops.kvprune_cuda
-
-
-def _registered() -> bool:
-    try:
-        torch.ops.kvprune_cuda.write_slots  # noqa: B018  (raises if the library is not loaded)
-    except (AttributeError, RuntimeError):
-        return False
-    return True
-
-
-def _nvcc() -> str | None:
-    from torch.utils.cpp_extension import CUDA_HOME
-
-    if CUDA_HOME is not None and (Path(CUDA_HOME) / "bin" / "nvcc").is_file():
-        return str(Path(CUDA_HOME) / "bin" / "nvcc")
-    return shutil.which("nvcc")
-
-
-def _load(build_dir: str | Path | None) -> tuple[bool, str | None]:
-    """(available, why not)."""
-    if _registered():
-        return True, None
-    try:
-        importlib.import_module("vllm_kvprune._cuda_C")
-        return True, None
-    except ImportError as error:
-        installed = f"vllm_kvprune._cuda_C is not built ({error})"
-    if not torch.cuda.is_available():
-        return False, f"{installed}; no CUDA device to JIT-build for"
-    if not can_jit_build():
-        return False, f"{installed}; cannot JIT-build (needs a CUDA torch, nvcc and {_SOURCE})"
-    from torch.utils.cpp_extension import load
-
-    if build_dir is not None:
-        Path(build_dir).mkdir(parents=True, exist_ok=True)
-    try:
-        load(name=_JIT_NAME, sources=[str(_SOURCE)], build_directory=None if build_dir is None else str(build_dir),
-             extra_cuda_cflags=["-O3"], is_python_module=False, verbose=False)
-    except Exception as error:  # a compiler error: report it, the caller falls back
-        return False, f"JIT build of {_SOURCE} failed: {error}"
-    if not _registered():
-        return False, f"JIT build of {_SOURCE} loaded but registered no torch.ops.kvprune_cuda ops"
-    return True, None
