@@ -102,8 +102,11 @@ def _cutlass_includes() -> tuple[list[str] | None, str]:
 
 
 _SOURCES = REPOSITORY / "csrc" / "cutlass"
+# setup.py builds every .cu of the folder; without a checkout (a wheel) the kernel's path still
+# names what is missing.
 LIBRARY = OpLibrary("CUTLASS ops", module="vllm_kvprune._cutlass_C", probe="kvprune_cutlass.grouped_gemm",
-                    jit_name="kvprune_cutlass_projections", sources=sorted(_SOURCES.glob("*.cu")) or [_SOURCES / "fdc_projections.cu"],
+                    jit_name="kvprune_cutlass_projections",
+                    sources=sorted(_SOURCES.glob("*.cu")) or [_SOURCES / "fdc_projections.cu"],
                     extra_cuda_cflags=["-O3", "--expt-relaxed-constexpr"], include_dirs=_cutlass_includes)
 
 

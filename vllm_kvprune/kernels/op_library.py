@@ -107,6 +107,7 @@ class OpLibrary:
         return True, None
 
     def _where(self) -> str:
+        """The source file, or the folders of several."""
         if len(self.sources) == 1:
             return str(self.sources[0])
-        return ", ".join(sorted({str(path.parent) for path in self.sources})) or self.jit_name
+        return ", ".join(sorted({str(path.parent) for path in self.sources}))
