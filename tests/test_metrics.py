@@ -181,3 +181,39 @@ def test_several_api_servers_add_up_every_process_in_prometheus_files(tmp_path) 
         assert values[("vllm:kvprune_requests_rejected_total", frozenset(base | {("setting", "prompt")}))] == 1
     frontend = {("model_name", "tiny"), ("engine", "frontend"), ("setting", "kv_budget")}
     assert values[("vllm:kvprune_requests_rejected_total", frozenset(frontend))] == 2 + 3
+
+
+# Where a process's snapshot folder comes from: printed by a process started either way.
+_FOLDER_OF = """
+import multiprocessing, sys
+from vllm_kvprune import metrics
+
+def show(queue):
+    queue.put(metrics.metrics_dir(create=True))
+
+if __name__ == "__main__":
+    mine = metrics.metrics_dir(create=True)
+    queue = multiprocessing.get_context(sys.argv[1]).Queue()
+    child = multiprocessing.get_context(sys.argv[1]).Process(target=show, args=(queue,))
+    child.start()
+    print(mine, queue.get(timeout=60), metrics.metrics_dir(create=True), sep="\\n")
+    child.join()
+"""
+
+
+@pytest.mark.parametrize("start", ["spawn", "fork"])
+def test_a_new_server_makes_its_own_folder_and_its_engines_share_it(tmp_path, start) -> None:
+    """A process that inherited a folder from whatever started it (a test run, a launcher of
+    several servers) makes its own, so its /metrics shows its engines only; the processes it
+    starts with multiprocessing, as vLLM starts engine cores, share that one; and asking again
+    in the same process gives the same folder."""
+    inherited = tmp_path / "someone-elses"
+    inherited.mkdir()
+    script = tmp_path / "folder_of.py"  # a file: a spawned child imports its target from it
+    script.write_text(_FOLDER_OF)
+    shown = subprocess.run([sys.executable, str(script), start], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, metrics.DIR_ENV: str(inherited)}, check=True).stdout.split()
+    mine, child, again = shown
+    assert mine != str(inherited) and os.path.basename(mine).startswith("vllm-kvprune-metrics-")
+    assert child == mine and again == mine
+    assert not os.path.exists(mine)  # removed when the process that made it exits

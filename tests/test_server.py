@@ -2,13 +2,17 @@
 the field, and the server keeps serving the next (good) request; a request the policy fails
 for is a 500 while the others are served as if it had not been there."""
 
+import json
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import requests
 
 from conftest import page_bytes, served
+from vllm_kvprune import metrics
 
 
 FAULTY_ID = "kvprune-injected-fault"
@@ -21,8 +25,19 @@ def server(tiny_model, tmp_path_factory):
                 "--kv-cache-memory-bytes", str(pool_bytes), "--kv-policy", "streaming", "--kv-budget", "64",
                 "--kv-sinks", "4", log_dir=tmp_path_factory.mktemp("server"), timeout=240,
                 # Fault containment: the policy fails for requests sent with this id (and no other).
-                env={"VLLM_KVPRUNE_FAULT": f"plan:{FAULTY_ID}"}) as base:
+                env={"VLLM_KVPRUNE_FAULT": f"plan:{FAULTY_ID}",
+                     # Started from a process whose metrics folder holds another live engine's numbers.
+                     metrics.DIR_ENV: str(_someone_elses_metrics(tmp_path_factory.mktemp("elsewhere")))}) as base:
         yield base, tiny_model
+
+
+def _someone_elses_metrics(folder: Path) -> Path:
+    """A snapshot of a live engine (this test process) that is not the server's."""
+    snapshot = {"labels": {"model_name": "someone-else", "engine": "0"}, "pid": os.getpid(),
+                "counters": [{"name": "tokens_evicted", "labels": {"policy": "h2o"}, "value": 1000.0}],
+                "gauges": [{"name": "blocks_held", "labels": {}, "value": 50.0}], "histograms": []}
+    (folder / "engine-1-x-0.json").write_text(json.dumps(snapshot))
+    return folder
 
 
 def _complete(base: str, model: str, xargs: dict | None, endpoint: str = "completions") -> requests.Response:
@@ -165,6 +180,13 @@ def test_metrics_count_refused_requests_by_setting(server):
         grown = (_total(after, "vllm:kvprune_requests_rejected_total", setting=setting)
                  - _total(before, "vllm:kvprune_requests_rejected_total", setting=setting))
         assert grown == 1, setting
+
+
+def test_metrics_show_this_servers_engines_only(server):
+    """The process that started the server had a metrics folder with another live engine's
+    numbers in it; the server made its own, so /metrics names its own model alone."""
+    base, model = server
+    assert {dict(labels)["model_name"] for name, labels in _scrape(base)} == {model}
 
 
 # ---- fault containment (vllm_kvprune/worker/faults.py) ------------------------------------------

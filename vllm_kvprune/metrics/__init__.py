@@ -53,19 +53,31 @@ def enabled() -> bool:
     return os.environ.get(SWITCH_ENV, "1") != "0"
 
 
+_made_here: str | None = None  # the folder this process made, if it made one
+
+
 def metrics_dir(create: bool = False) -> str | None:
     """This process's snapshot folder (None: metrics off); with `create`, made (and exported
-    to the engine processes it starts) if none was inherited."""
+    to the engine processes it starts) unless this process shares its parent's.
+
+    Only a process `multiprocessing` started (vLLM's engine cores, API servers and workers)
+    shares the folder it inherited. Any other process is the root of its own engines: a server
+    started by a program that has a folder of its own (a test run, a launcher of several
+    servers) would otherwise show that program's engines on its /metrics as if they were its own.
+    """
+    global _made_here
     if not enabled():
         return None
+    import multiprocessing
+
     folder = os.environ.get(DIR_ENV)
-    if folder or not create:
+    if not create or (folder and (folder == _made_here or multiprocessing.parent_process() is not None)):
         return folder
     import atexit
     import shutil
     import tempfile
 
-    folder = tempfile.mkdtemp(prefix="vllm-kvprune-metrics-")
+    folder = _made_here = tempfile.mkdtemp(prefix="vllm-kvprune-metrics-")
     os.environ[DIR_ENV] = folder
     atexit.register(shutil.rmtree, folder, True)
     return folder
