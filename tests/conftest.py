@@ -149,32 +149,69 @@ def runner_of(llm):
     return llm.llm_engine.model_executor.driver_worker.worker.model_runner
 
 
-@pytest.fixture(scope="session")
-def kvpress_venv():
-    """Builds (or finds) kvpress's side venv with scripts/setup_kvpress.sh, once per session."""
+# scripts/setup_kvpress.sh, started in the background once collection shows a test needs it:
+# building the venv the first time is minutes of pip (downloads and unpacking), which the
+# tests before the first kvpress one overlap.
+_kvpress_setup: dict = {}
+
+
+def _start_kvpress_setup() -> None:
     import subprocess
+    import tempfile
     import time
 
     from vllm_kvprune.bench import kvpress_runner
 
     env = dict(os.environ)
     env.setdefault("VLLM_KVPRUNE_KVPRESS_BASE_PYTHON", getattr(sys, "_base_executable", None) or "python3")
-    started = time.perf_counter()
-    done = subprocess.run(["bash", str(kvpress_runner.SETUP_SCRIPT)], env=env, capture_output=True, text=True,
-                          timeout=1800)
-    if done.returncode != 0:
-        pytest.fail(f"scripts/setup_kvpress.sh failed (exit {done.returncode}):\n"
-                    f"{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-    print(f"kvpress venv ready in {time.perf_counter() - started:.1f} s: {done.stdout.strip().splitlines()[-1]}")
+    output = tempfile.TemporaryFile(mode="w+")  # a file: a full pipe would stall pip
+    _kvpress_setup.update(started=time.perf_counter(), output=output, process=subprocess.Popen(
+        ["bash", str(kvpress_runner.SETUP_SCRIPT)], env=env, stdout=output, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True))  # a group of its own: stopping it stops its pip too
+
+
+@pytest.fixture(scope="session")
+def kvpress_venv():
+    """kvpress's side venv, built (or found) by scripts/setup_kvpress.sh once per session."""
+    import time
+
+    from vllm_kvprune.bench import kvpress_runner
+
+    if not _kvpress_setup:
+        _start_kvpress_setup()
+    waited = time.perf_counter()
+    returncode = _kvpress_setup["process"].wait(timeout=1800)
+    output = _kvpress_setup["output"]
+    output.seek(0)
+    text = output.read()
+    if returncode != 0:
+        pytest.fail(f"scripts/setup_kvpress.sh failed (exit {returncode}):\n{text[-5000:]}")
+    now = time.perf_counter()
+    print(f"kvpress venv ready in {now - _kvpress_setup['started']:.1f} s ({now - waited:.1f} s waited): "
+          f"{text.strip().splitlines()[-1]}")
     return kvpress_runner.kvpress_python()
 
 
 def pytest_collection_finish(session) -> None:
     """Collection imported the Triton tests with TRITON_INTERPRET=1 (tests/triton_setup.py);
-    take it away so engines started by other tests do not inherit it."""
+    take it away so engines started by other tests do not inherit it. And kvpress's venv starts
+    building now if a selected test needs it."""
     setup = sys.modules.get("triton_setup")
     if setup is not None and setup.INTERPRET_SET_HERE:
         os.environ.pop("TRITON_INTERPRET", None)
+    if any("kvpress_venv" in getattr(item, "fixturenames", ()) for item in session.items):
+        _start_kvpress_setup()
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """A run stopped before its kvpress tests (-x, Ctrl-C) leaves no pip behind (the script
+    resumes where it stopped next time: the venv is stamped only once whole)."""
+    import signal
+
+    process = _kvpress_setup.get("process")
+    if process is not None and process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=60)
 
 
 @pytest.fixture(autouse=True)
