@@ -11,6 +11,8 @@ import pytest
 from conftest import engine, scheduler_of
 from test_streaming_engine import all_blocks_free, greedy, prompts
 
+from vllm_kvprune.frontend import FRONT_END
+
 POOL_BLOCKS = 64  # 2,048 tokens of 32
 LONG_PROMPT = 2800
 
@@ -88,7 +90,7 @@ class TestSmallPoolFullPrefill:
         # override: that request finishes with an error naming it; the engine and the next go on.
         from vllm_kvprune import plugin
 
-        monkeypatch.setattr(plugin, "_frontend_policy", None)
+        monkeypatch.setattr(FRONT_END, "policy", None)
         bad, good = small_pool_llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9, 10]}],
                                             [greedy(8, kv_budget=0), greedy(8)], use_tqdm=False)
         assert bad.outputs[0].finish_reason == "error" and not bad.outputs[0].token_ids

@@ -93,7 +93,7 @@ def test_gvote_under_async_scheduling(async_on_cpu, tiny_model, reference_model,
         scheduler, runner = scheduler_of(llm), runner_of(llm)
         [manager] = scheduler.kvprune_managers
         for request_id, state in runner.kv_state.requests.items():
-            pages = state.pages
+            pages = state.map
             if request_id not in scheduler.requests or pages is None or not pages.is_paged:
                 continue
             live = pages.live_row(np.array(runner.requests[request_id].block_ids[0])).tolist()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vllm_kvprune.config import KVPolicyConfig
-from vllm_kvprune.worker.backend import _layer_block_tables
+from vllm_kvprune.worker.layouts.blocks import layer_block_tables
 from vllm_kvprune.worker.state import StepRows, WorkerKVState
 
 BLOCK_SIZE, HEADS, HEAD_DIM = 32, 2, 8
@@ -26,10 +26,13 @@ def kv_with_weak_block(num_tokens: int, weak_block: int, seed: int) -> tuple[tor
     return key, value * value_norm
 
 
-def worker(budget: int = 128, interval: int = 1, total_kv_heads: int = HEADS, **settings) -> WorkerKVState:
+def worker(budget: int = 128, interval: int = 1, total_kv_heads: int = HEADS, reduce=None, **settings
+           ) -> WorkerKVState:
     config = KVPolicyConfig.from_dict({"name": "paged_eviction", "budget": budget, "sinks": 4,
                                        "prune_interval": interval, **settings})
     state = WorkerKVState(config)
+    if reduce is not None:
+        state.reduce = reduce  # the runner's is vLLM's all-reduce over the tensor-parallel group
     state.bind_cache(LAYERS, num_blocks=16, block_size=BLOCK_SIZE, total_kv_heads=total_kv_heads)
     return state
 
@@ -42,7 +45,7 @@ def plan_step(state: WorkerKVState, num_computed: int, num_new: int, num_prompt:
 def write_scores(state: WorkerKVState, plan, kv_per_layer) -> None:
     """What the impl does in each layer: score the new tokens into their planned slots."""
     for layer, (key, value) in enumerate(kv_per_layer):
-        state.scores.by_slot[layer, plan.layer_slot_mapping[layer]] = state.policy.token_scores(key, value)
+        state.tables.by_slot[layer, plan.layer_slot_mapping[layer]] = state.policy.token_scores(key, value)
 
 
 def test_each_layer_drops_its_weakest_block_and_reuses_it_as_the_tail():
@@ -59,12 +62,12 @@ def test_each_layer_drops_its_weakest_block_and_reuses_it_as_the_tail():
     [(row, order)] = step.block_orders
     assert row == 0 and order.tolist() == [[0, 1, 3, 2], [0, 2, 3, 1]]
     assert step.seq_lens.tolist() == [3 * BLOCK_SIZE + 1]
-    logical = state.requests["r"].blocks.logical
+    logical = state.requests["r"].map.logical
     for layer, w in enumerate(weak):
         held = logical[layer, w * BLOCK_SIZE:(w + 1) * BLOCK_SIZE]
         assert held[0] == 128 and (held[1:] == -1).all(), "the dropped block's tokens are gone"
 
-    tables = _layer_block_tables(torch.from_numpy(BLOCK_ROW[None]), step, state)
+    tables = layer_block_tables(torch.from_numpy(BLOCK_ROW[None]), step, state.tables)
     assert tables[0, 0, :4].tolist() == BLOCK_ROW[[0, 1, 3, 2]].tolist()
     assert tables[1, 0, :4].tolist() == BLOCK_ROW[[0, 2, 3, 1]].tolist()
 
@@ -92,37 +95,28 @@ def test_lazy_pruning_drops_r_blocks_every_r_fills():
     state = worker(budget=128, interval=2)  # cap 5 blocks
     prompt = plan_step(state, 0, 160, 160)
     assert [c.keep for c in prompt.prefill_compactions] == [128]
-    blocks = state.requests["r"].blocks
+    blocks = state.requests["r"].map
     for layer in range(2):  # what the impl records after pruning the prompt
         blocks.set_layer_survivors(layer, np.arange(128))
     evictions = []
     for position in range(160, 160 + 3 * BLOCK_SIZE):
         step = plan_step(state, position, 1, 160)
         slot = int(step.layer_slot_mapping[0, 0])
-        state.scores.by_slot[:, slot] = 0.5  # every new token scores low
+        state.tables.by_slot[:, slot] = 0.5  # every new token scores low
         evictions.append(int(step.seq_lens[0]))
     # 4 full blocks + the spare: the first fill uses the spare, the next evicts 2 at once.
     assert evictions[0] == 129 and evictions[BLOCK_SIZE] == 3 * BLOCK_SIZE + 1
     assert evictions[2 * BLOCK_SIZE] == 4 * BLOCK_SIZE + 1, "the second freed block needs no eviction"
 
 
-def test_block_scores_are_reduced_across_tensor_parallel_ranks(monkeypatch):
-    from vllm.distributed import parallel_state
-
-    state = worker(total_kv_heads=2 * HEADS)  # as if a second rank held two more heads
+def test_block_scores_are_reduced_across_tensor_parallel_ranks():
+    # The other rank's heads (score sums of the request's 4 blocks, per layer) make block 1
+    # the weakest overall and block 2 strong; the worker's reducer adds them in, as vLLM's
+    # all-reduce over a group of two ranks would.
+    other_rank = torch.tensor([[1.0, 0.0, 50.0, 1.0]] * 2) * BLOCK_SIZE
+    state = worker(total_kv_heads=2 * HEADS, reduce=lambda local_sums: local_sums + other_rank)
     prompt = plan_step(state, 0, 128, 128)
     write_scores(state, prompt, [kv_with_weak_block(128, 2, seed=i) for i in range(2)])
-    # The other rank's heads (score sums of the request's 4 blocks, per layer) make block 1
-    # the weakest overall and block 2 strong.
-    other_rank = torch.tensor([[1.0, 0.0, 50.0, 1.0]] * 2) * BLOCK_SIZE
-
-    class TwoRankGroup:  # stands in for vLLM's tensor-parallel group of two ranks
-        @staticmethod
-        def all_reduce(local_sums: torch.Tensor) -> torch.Tensor:
-            return local_sums + other_rank
-
-    monkeypatch.setattr(parallel_state, "model_parallel_is_initialized", lambda: True)
-    monkeypatch.setattr(parallel_state, "get_tp_group", lambda: TwoRankGroup)
     step = plan_step(state, 128, 1, 128)
     assert (step.layer_slot_mapping[:, 0].numpy() == BLOCK_ROW[1] * BLOCK_SIZE).all()
 
@@ -145,12 +139,12 @@ def test_block_means_of_many_requests_equal_each_alone():
     very numbers its own read gives: ragged block counts, each layer its own order."""
     state = worker()
     generator = torch.Generator().manual_seed(4)
-    state.scores.by_slot.copy_(torch.rand(state.scores.by_slot.shape, generator=generator))
+    state.tables.by_slot.copy_(torch.rand(state.tables.by_slot.shape, generator=generator))
     block_ids = [np.array([[7, 3, 11], [3, 11, 7]]), np.array([[2, 9], [9, 2]]), np.array([[0, 5, 1, 4]] * 2)]
-    together = state.scores.block_means_many(block_ids)
+    together = state.tables.block_means_many(block_ids)
     for ids, means in zip(block_ids, together):
-        assert torch.equal(means, state.scores.block_means(ids))
-        per_block = state.scores.by_slot.view(len(LAYERS), -1, BLOCK_SIZE)
+        assert torch.equal(means, state.tables.block_means(ids))
+        per_block = state.tables.by_slot.view(len(LAYERS), -1, BLOCK_SIZE)
         expected = torch.stack([per_block[layer, torch.from_numpy(ids[layer])].mean(dim=-1) / HEADS
                                 for layer in range(len(LAYERS))])
         torch.testing.assert_close(means, expected)
@@ -162,7 +156,7 @@ def test_the_step_reads_its_evicting_requests_block_means_together(monkeypatch, 
     one call before planning the rows (`BlockPlanner.search_ahead`), and each request drops
     exactly the blocks it drops alone (and when the joint read fails, `joint=False`, every
     row reads its own and nothing fails)."""
-    from vllm_kvprune.worker.state import LayerScores
+    from vllm_kvprune.worker.layouts.blocks import LayerScores
 
     calls = {"many": 0, "alone": 0}
     many = LayerScores.block_means_many
@@ -199,10 +193,10 @@ def test_the_step_reads_its_evicting_requests_block_means_together(monkeypatch, 
             for layer in range(len(LAYERS)):
                 keys, values = (torch.cat([inputs[i][layer][part][c:c + n] for i, c, n in zip(request_ids, computed, new)])
                                 for part in range(2))
-                state.scores.by_slot[layer, plan.layer_slot_mapping[layer]] = state.policy.token_scores(keys, values)
+                state.tables.by_slot[layer, plan.layer_slot_mapping[layer]] = state.policy.token_scores(keys, values)
         for i in request_ids:
-            state.requests[str(i)].blocks.check()
-        return {i: state.requests[str(i)].blocks.logical.copy() for i in request_ids}
+            state.requests[str(i)].map.check()
+        return {i: state.requests[str(i)].map.logical.copy() for i in request_ids}
 
     kept = run([0, 1, 2], counted=True)
     # "0" and "1" (full at 128) evict at their first token and 32 later; "2" (96) once full, with them.

@@ -131,10 +131,15 @@ def test_bad_yaml_key_names_the_key(tmp_path):
 def test_serve_help_shows_the_kv_flags():
     result = run("serve", "--help=all")
     assert result.returncode == 0, result.stderr[-2000:]
-    for flag in ["--kv-policy", "--kv-budget", "--kv-sinks", "--kv-window", "--kv-recent", "--kv-prune-interval",
-                 "--kv-positions", "--kv-gvote-p", "--kv-gvote-samples", "--kv-gvote-future", "--kv-gvote-seed",
-                 "--kv-config"]:
+    from vllm_kvprune.config import SETTINGS
+    from vllm_kvprune.plugin import flag_help
+
+    # Every registered setting's flag, with its help (the registry is the one list of them).
+    for flag in ["--kv-policy", "--kv-config", *(setting.flag for setting in SETTINGS.values())]:
         assert flag in result.stdout
+    words = " ".join(result.stdout.split())
+    for setting in SETTINGS.values():
+        assert " ".join(flag_help(setting).replace("%%", "%").split()) in words, setting.name
     assert "KV policy (vllm-kvprune)" in result.stdout
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from vllm_kvprune.config import KVPolicyConfig
 from vllm_kvprune.worker import faults
-from vllm_kvprune.worker.planners import TokenPlanner
+from vllm_kvprune.worker.layouts.tokens import TokenPlanner
 from vllm_kvprune.worker.state import StepRows, WorkerKVState
 
 BLOCK = 32

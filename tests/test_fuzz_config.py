@@ -12,11 +12,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_kvprune.config import REQUEST_KEYS, KVConfigError, KVPolicyConfig
+from vllm_kvprune.config import ALL_POLICIES, REQUEST_KEYS, SETTINGS, KVConfigError, KVPolicyConfig
 from vllm_kvprune.plugin import flags_from_namespace, policy_from_args
 
 FIELDS = [field.name for field in dataclasses.fields(KVPolicyConfig)]
-NAMES = ["none", "streaming", "h2o", "paged_eviction", "gvote", "fdc", "snapkv", ""]
+NAMES = [*ALL_POLICIES, "bogus", ""]
 # Anything a YAML file, a JSON body or a hand-written dict can hold.
 VALUES = st.one_of(st.none(), st.booleans(), st.integers(-2**40, 2**40), st.floats(allow_nan=True),
                    st.text(max_size=12), st.sampled_from(NAMES), st.lists(st.integers(), max_size=3),
@@ -61,8 +61,8 @@ def test_request_overrides_give_a_config_or_a_named_error(base, extra_args) -> N
     assert policy.name == base.name
 
 
-FLAG_NAMES = ["policy", "budget", "sinks", "window", "recent", "prune_interval", "positions", "prefill",
-              "prefill_chunk", "gvote_p", "gvote_samples", "gvote_future", "gvote_seed"]
+# Every flag but the files (--kv-fdc, --kv-config: checked by their own tests).
+FLAG_NAMES = ["policy", *(name for name in SETTINGS if name != "fdc")]
 FLAG_TEXT = st.one_of(st.none(), st.sampled_from(NAMES + ["cache", "original", "full", "streaming", "0.5", "-1", "32",
                                                           "1e9", "nan", "4096"]),
                       st.integers(-5, 10000).map(str), st.text(max_size=6))
@@ -86,4 +86,4 @@ def test_flags_give_a_policy_or_a_named_error(flags, block_size) -> None:
 def test_integer_flags_parse_as_python_does(raw) -> None:
     namespace = argparse.Namespace(**{f"kv_{name}": None for name in FLAG_NAMES}, kv_fdc=None, kv_config=None)
     namespace.kv_budget = raw
-    assert flags_from_namespace(namespace).budget == int(raw)
+    assert flags_from_namespace(namespace).values["budget"] == int(raw)

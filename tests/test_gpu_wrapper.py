@@ -245,14 +245,14 @@ def test_gpu_start_up_checks(monkeypatch):
 
     from vllm_kvprune import plugin
     from vllm_kvprune.config import KVPolicyConfig
+    from vllm_kvprune.policies import REGISTRY
 
-    for policy in (*(KVPolicyConfig(name=name) for name in ("streaming", "h2o", "paged_eviction", "gvote")),
-                   KVPolicyConfig(name="fdc", fdc="rotations.safetensors"),
-                   KVPolicyConfig(name="streaming", fdc="rotations.safetensors")):
-        plugin._check_gpu_policy(policy)
-    # A policy the wrapper does not carry out (none today) refuses, naming the ones it does.
-    monkeypatch.setattr(plugin, "GPU_POLICIES", ("streaming",))
-    with pytest.raises(ValueError, match=r"kv_policy 'h2o' does not run on a GPU yet \(GPU: streaming"):
+    for name in REGISTRY:  # every registered policy runs on a GPU today
+        plugin._check_gpu_policy(KVPolicyConfig(name=name, fdc="rotations.safetensors" if name == "fdc" else None))
+    plugin._check_gpu_policy(KVPolicyConfig(name="streaming", fdc="rotations.safetensors"))
+    # A policy the wrappers do not carry out refuses, naming the ones they do.
+    monkeypatch.setattr(type(REGISTRY["h2o"]), "gpu", False)
+    with pytest.raises(ValueError, match=r"kv_policy 'h2o' does not run on a GPU yet \(GPU: streaming, paged_eviction"):
         plugin._check_gpu_policy(KVPolicyConfig(name="h2o"))
     chosen = SimpleNamespace(attention_config=SimpleNamespace(backend=None))
     plugin._use_gpu_attention(chosen)

@@ -23,7 +23,7 @@ def snapshot_keep_sets(llm, keep_sets: dict) -> None:
     """Each request's kept prompt positions per (layer, KV head), once it has voted."""
     runner = runner_of(llm)
     for request_id, state in runner.kv_state.requests.items():
-        pages = state.pages
+        pages = state.map
         if pages is not None and pages.is_paged and request_id not in keep_sets:
             num_prompt = pages.num_uniform
             keep_sets[request_id] = [[pages.kept_positions(layer, head)[: _prompt_part(pages, layer, head,
@@ -42,7 +42,7 @@ def check_invariants(llm) -> None:
     scheduler, runner = scheduler_of(llm), runner_of(llm)
     owners: dict[tuple[int, int], str] = {}
     for request_id, state in runner.kv_state.requests.items():
-        pages = state.pages
+        pages = state.map
         if request_id not in runner.requests or pages is None or not pages.is_paged:
             continue
         block_row = pages.live_row(np.array(runner.requests[request_id].block_ids[0]))
@@ -139,9 +139,9 @@ class TestSharedEngine:
         def watch() -> None:
             check_invariants(gvote_llm)
             for state in runner.kv_state.requests.values():
-                holes = state.pages.row_holes if state.pages is not None else None
+                holes = state.map.row_holes if state.map is not None else None
                 if holes is not None and holes[0] < holes[1]:
-                    grown_past_holes.append(state.pages.blocks_needed(0) > holes[0])
+                    grown_past_holes.append(state.map.blocks_needed(0) > holes[0])
 
         finished = run_steps(gvote_llm, prompts((180, 260, 330, 390), seed=8),
                              [greedy(120, kv_gvote_p=0.1, kv_gvote_samples=4)] * 4, on_step=watch)
@@ -239,8 +239,8 @@ def test_a_request_near_max_model_len_after_its_vote_gave_blocks_back(tiny_model
 
         def watch() -> None:
             for request_id, state in runner.kv_state.requests.items():
-                if request_id in runner.requests and state.pages is not None and state.pages.row_holes is not None:
-                    widest.append((len(runner.requests[request_id].block_ids[0]), state.pages.row_holes))
+                if request_id in runner.requests and state.map is not None and state.map.row_holes is not None:
+                    widest.append((len(runner.requests[request_id].block_ids[0]), state.map.row_holes))
 
         finished = run_steps(llm, [prompt], [greedy(new_tokens, kv_gvote_p=0.1, kv_gvote_samples=4)], on_step=watch)
         assert all_blocks_free(llm)

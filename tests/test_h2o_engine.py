@@ -53,7 +53,7 @@ def check_invariants(llm, heads_differ: list[bool]) -> None:
     for request_id, state in runner.kv_state.requests.items():
         if request_id not in runner.requests:
             continue
-        heads, config = state.heads, state.config
+        heads, config = state.map, state.config
         heads.check()
         request = scheduler.requests.get(request_id)
         if request is not None and request.num_computed_tokens >= request.num_prompt_tokens:
@@ -116,7 +116,7 @@ class TestSharedEngine:
         """The benchmarks' baseline (`VLLM_KVPRUNE_SHIFT_APPEND=1`): each head gathers its
         survivors to the front in order and appends (in place, the new token would take a
         victim's slot, out of order), keeping what the reference keeps, moves recorded."""
-        from vllm_kvprune.worker.planners import HeadPlanner
+        from vllm_kvprune.worker.layouts.heads import HeadPlanner
 
         monkeypatch.setattr(HeadPlanner, "gather_and_append", True)
         kv_state = runner_of(h2o_llm).kv_state
@@ -126,8 +126,8 @@ class TestSharedEngine:
         def record() -> None:
             check_invariants(h2o_llm, [])
             for state in kv_state.requests.values():
-                if state.heads is not None and not state.heads.is_identity:
-                    in_order.append(bool((np.diff(state.heads.logical, axis=2) > 0).all()))
+                if state.map is not None and not state.map.is_identity:
+                    in_order.append(bool((np.diff(state.map.logical, axis=2) > 0).all()))
 
         moved_before = kv_state.move_seconds
         finished = run_steps(h2o_llm, prompt_ids, [greedy(num_tokens)] * len(prompt_ids), on_step=record)

@@ -14,11 +14,10 @@ import torch
 
 from vllm_kvprune import kernels
 from vllm_kvprune.config import KVPolicyConfig
-from vllm_kvprune.policies import H2OPolicy
-from vllm_kvprune.worker import runtime
-from vllm_kvprune.worker.backend import KVPruneImpl
-from vllm_kvprune.worker.kernel_sets import CPUKernels
+from vllm_kvprune.policies.h2o import H2OPolicy
 from vllm_kvprune.worker.head_map import SKIP, HeadSlotMap
+from vllm_kvprune.worker.kernel_sets import CPUKernels
+from vllm_kvprune.worker.layouts import LayerCall
 from vllm_kvprune.worker.state import StepRows, WorkerKVState
 
 BLOCK_SIZE, HEADS, HEAD_DIM, NUM_BLOCKS = 32, 2, 64, 8
@@ -161,14 +160,22 @@ def constructed_prompt(num_tokens: int, favoured: tuple[int, int], seed: int = 0
     return query, key, value
 
 
-def run_layer_step(state: WorkerKVState, impl, layer, kv_cache, plan, query, key, value) -> None:
-    """What the impl does in one layer, minus vLLM's own attention kernel (whose output H2O
-    does not change): per-head writes, mass accumulation, prompt pruning."""
-    block_table = torch.from_numpy(BLOCK_ROW[None].astype(np.int32))
-    KVPruneImpl._write_per_head(impl, layer, key, value, kv_cache, plan)
-    KVPruneImpl._accumulate_mass(impl, layer, query, kv_cache, SimpleNamespace(block_table=block_table), plan)
-    if plan.prefill_compactions:
-        KVPruneImpl._prune_prompts_per_head(impl, layer, kv_cache, plan)
+def bare_impl() -> SimpleNamespace:
+    """What a plan reads of the impl: the kernels and the layer's shape and scale."""
+    return SimpleNamespace(scale=HEAD_DIM ** -0.5, kernels=CPUKernels(), num_heads=HEADS, head_size=HEAD_DIM)
+
+
+def run_layer_step(state: WorkerKVState, impl, layer, kv_cache, plan, query, key, value,
+                   block_rows: np.ndarray = BLOCK_ROW[None]) -> None:
+    """What the impl does in one layer through the plan, minus vLLM's own attention kernel
+    (whose output H2O does not change): per-head writes, mass accumulation (with the attention
+    output on a decode-only step), prompt pruning."""
+    call = LayerCall(impl, layer, kv_cache, state)
+    metadata = SimpleNamespace(block_table=torch.from_numpy(block_rows.astype(np.int32)))
+    plan.write(call, key, value, plan.slot_mapping)
+    if plan.fused_decode:
+        plan.attend(call, query, key, value, metadata, torch.empty(len(query), HEADS * HEAD_DIM))
+    plan.after_attention(call, query, metadata)
 
 
 @pytest.mark.parametrize("interval", [1, 4])
@@ -177,11 +184,10 @@ def test_each_head_keeps_its_own_heavy_hitter(interval):
     config = h2o_config(budget=48, sinks=2, recent=8, interval=interval)
     state = WorkerKVState(config)
     state.bind_cache(LAYERS, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, total_kv_heads=HEADS)
-    runtime.install(state)
     layout = kernels.vec_layout(torch.float32, BLOCK_SIZE, HEAD_DIM)
     kv_cache = torch.zeros(NUM_BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD_DIM)
     layer = SimpleNamespace(layer_name=LAYERS[0], isa="vec")
-    impl = SimpleNamespace(scale=HEAD_DIM ** -0.5, kernels=CPUKernels())
+    impl = bare_impl()
     query, key, value = constructed_prompt(num_prompt + 12, favoured)
 
     def step(num_computed: int, num_new: int):
@@ -192,7 +198,7 @@ def test_each_head_keeps_its_own_heavy_hitter(interval):
         return plan
 
     step(0, num_prompt)
-    heads = state.requests["r"].heads
+    heads = state.requests["r"].map
     assert heads.num_valid == 47
     for computed in range(num_prompt, num_prompt + 12):  # decode: evictions by mass, per head
         step(computed, 1)
@@ -237,10 +243,9 @@ def test_the_step_searches_its_requests_together_and_chooses_as_each_alone(monke
     num_blocks, prompts = 9, np.array([80, 60, 30])
     state = WorkerKVState(h2o_config(budget=40, sinks=2, recent=4))
     state.bind_cache(LAYERS, num_blocks=num_blocks, block_size=BLOCK_SIZE, total_kv_heads=HEADS)
-    runtime.install(state)
     kv_cache = torch.zeros(num_blocks, HEADS, BLOCK_SIZE, 2 * HEAD_DIM)
     layer = SimpleNamespace(layer_name=LAYERS[0], isa="vec")
-    impl = SimpleNamespace(scale=HEAD_DIM ** -0.5, kernels=CPUKernels())
+    impl = bare_impl()
     inputs = [constructed_prompt(int(p) + 10, (5, 9), seed=i) for i, p in enumerate(prompts)]
 
     def step(num_computed: np.ndarray, num_new: np.ndarray):
@@ -248,11 +253,7 @@ def test_the_step_searches_its_requests_together_and_chooses_as_each_alone(monke
         plan = state.plan(np.concatenate([[0], np.cumsum(num_new)]), BLOCK_SIZE)
         query, key, value = (torch.cat([part[i][c:c + n] for part, c, n in zip(inputs, num_computed, num_new)])
                              for i in range(3))
-        KVPruneImpl._write_per_head(impl, layer, key, value, kv_cache, plan)
-        KVPruneImpl._accumulate_mass(impl, layer, query, kv_cache,
-                                     SimpleNamespace(block_table=torch.from_numpy(block_rows)), plan)
-        if plan.prefill_compactions:
-            KVPruneImpl._prune_prompts_per_head(impl, layer, kv_cache, plan)
+        run_layer_step(state, impl, layer, kv_cache, plan, query, key, value, block_rows)
 
     step(np.zeros(3, np.int64), prompts)
     calls.update(many=0, alone=0)
@@ -261,14 +262,13 @@ def test_the_step_searches_its_requests_together_and_chooses_as_each_alone(monke
     # "a" and "b" evict at every decode step but the first (their prompts were pruned to 39,
     # the first token fills the budget of 40); "c" (30 tokens) never reaches the budget.
     assert calls == ({"many": 9, "alone": 0} if joint else {"many": 9, "alone": 18})
-    kept = {request_id: state.requests[request_id].heads.logical.copy() for request_id in "abc"}
+    kept = {request_id: state.requests[request_id].map.logical.copy() for request_id in "abc"}
     for request_id in "abc":
-        state.requests[request_id].heads.check()
+        state.requests[request_id].map.check()
     # Each request as the only one, each row searching alone: the same tokens kept.
     for index, request_id in enumerate("abc"):
         solo = WorkerKVState(h2o_config(budget=40, sinks=2, recent=4))
         solo.bind_cache(LAYERS, num_blocks=num_blocks, block_size=BLOCK_SIZE, total_kv_heads=HEADS)
-        runtime.install(solo)
         monkeypatch.setattr(Policy, "evicted_many", many)
         solo_cache = torch.zeros_like(kv_cache)
         prompt = int(prompts[index])
@@ -277,10 +277,5 @@ def test_the_step_searches_its_requests_together_and_chooses_as_each_alone(monke
                                  block_rows[index:index + 1], [None])
             plan = solo.plan(np.array([0, new]), BLOCK_SIZE)
             query, key, value = (part[computed:computed + new] for part in inputs[index])
-            KVPruneImpl._write_per_head(impl, layer, key, value, solo_cache, plan)
-            KVPruneImpl._accumulate_mass(impl, layer, query, solo_cache,
-                                         SimpleNamespace(block_table=torch.from_numpy(block_rows[index:index + 1])),
-                                         plan)
-            if plan.prefill_compactions:
-                KVPruneImpl._prune_prompts_per_head(impl, layer, solo_cache, plan)
-        assert np.array_equal(solo.requests[request_id].heads.logical, kept[request_id]), request_id
+            run_layer_step(solo, impl, layer, solo_cache, plan, query, key, value, block_rows[index:index + 1])
+        assert np.array_equal(solo.requests[request_id].map.logical, kept[request_id]), request_id

@@ -161,7 +161,7 @@ def test_footprints_cover_one_more_token_under_async_scheduling():
     pages.row_seen = -(-40 // BS)
     worker = WorkerKVState(KVPolicyConfig(name="gvote"))
     worker.requests["r"] = RequestKVState(config=worker.engine_config, policy=get_policy("gvote"), request_id="r",
-                                          pages=pages)
+                                          map=pages)
     sync = worker.footprints()["r"]
     assert sync == pages.blocks_needed(1)
     worker.footprint_lookahead = 1

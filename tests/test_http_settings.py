@@ -9,6 +9,7 @@ import pytest
 
 from vllm_kvprune import http_settings, plugin
 from vllm_kvprune.config import KVPolicyConfig
+from vllm_kvprune.frontend import FRONT_END
 from vllm_kvprune.http_settings import MisplacedKVSettings, misplaced_key
 
 
@@ -52,7 +53,7 @@ def _call(body: bytes, *, chunks: int = 1, method: str = "POST", content_type: b
 
 @pytest.fixture
 def policy_runs(monkeypatch):
-    monkeypatch.setattr(plugin, "_frontend_policy", KVPolicyConfig.from_dict({"name": "streaming", "budget": 64}))
+    monkeypatch.setattr(FRONT_END, "policy", KVPolicyConfig.from_dict({"name": "streaming", "budget": 64}))
 
 
 @pytest.mark.parametrize("key", ["kv_budget", "kv_sinks", "kv_window", "kv_recent", "kv_prune_interval",
@@ -94,7 +95,7 @@ def test_what_is_not_a_json_object_post_passes(policy_runs, raw, method, content
 
 
 def test_without_a_policy_nothing_is_checked(monkeypatch):
-    monkeypatch.setattr(plugin, "_frontend_policy", None)
+    monkeypatch.setattr(FRONT_END, "policy", None)
     raw = json.dumps({"model": "m", "prompt": "hi", "kv_budget": 64}).encode()
     assert _call(raw)[0] == 200
 

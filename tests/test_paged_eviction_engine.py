@@ -55,7 +55,7 @@ def check_invariants(llm, seen_layer_orders: list[bool]) -> None:
     for request_id, state in runner.kv_state.requests.items():
         if request_id not in runner.requests:
             continue
-        blocks = state.blocks
+        blocks = state.map
         block_row = np.array(runner.requests[request_id].block_ids[0])
         offsets = np.arange(blocks.num_valid)
         seen_layer_orders.append(bool((blocks.order != blocks.order[0]).any()))

@@ -5,7 +5,7 @@ import pytest
 
 from vllm_kvprune.config import KVPolicyConfig
 from vllm_kvprune.engine.scheduler import chunk_tokens
-from vllm_kvprune.policies import StreamingPolicy
+from vllm_kvprune.policies.streaming import StreamingPolicy
 from vllm_kvprune.worker.slot_map import SlotMap
 from vllm_kvprune.worker.state import RequestKVState, _PlanBuilder
 
@@ -61,7 +61,7 @@ def test_streaming_one_victim_is_the_oldest_non_sink():
 
 def _run(config: KVPolicyConfig, prompt: int, steps: int) -> list[int]:
     """Physical keys seen per step when one request runs prompt then decode steps."""
-    state = RequestKVState(config=config, policy=StreamingPolicy())
+    state = RequestKVState(config=config, policy=StreamingPolicy(), map=SlotMap())
     block_row = np.arange(1000)
     seen, computed = [], 0
     while computed < prompt + steps:

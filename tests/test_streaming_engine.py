@@ -142,7 +142,7 @@ def check_invariants(llm) -> None:
         if request_id not in runner.requests:
             continue
         block_ids = np.array(runner.requests[request_id].block_ids[0])
-        slots = np.arange(state.slots.num_valid)
+        slots = np.arange(state.map.num_valid)
         global_slots = block_ids[slots // BLOCK_SIZE] * BLOCK_SIZE + slots % BLOCK_SIZE
         for slot in global_slots.tolist():
             assert slot not in owners, f"slot {slot} held by {owners[slot]} and {request_id}"
@@ -220,7 +220,7 @@ class TestSharedEngine:
         moves tokens; in place (EQUIP) the new token takes the victim's slot and nothing moves.
         The baseline keeps what the reference keeps (in place: the parity tests above). Prompts
         under the budget: no prefill compaction."""
-        from vllm_kvprune.worker.planners import TokenPlanner
+        from vllm_kvprune.worker.layouts.tokens import TokenPlanner
 
         monkeypatch.setattr(TokenPlanner, "shift_and_append", shift_and_append)
         kv_state = runner_of(streaming_llm).kv_state
@@ -229,8 +229,8 @@ class TestSharedEngine:
 
         def record() -> None:
             for state in kv_state.requests.values():
-                if state.slots is not None and state.slots.num_valid == BUDGET:
-                    in_order.append(bool((np.diff(state.slots.logical) > 0).all()))
+                if state.map is not None and state.map.num_valid == BUDGET:
+                    in_order.append(bool((np.diff(state.map.logical) > 0).all()))
 
         moved_before = kv_state.move_seconds
         finished = run_steps(streaming_llm, prompt_ids, [greedy(num_tokens)] * len(prompt_ids), on_step=record)

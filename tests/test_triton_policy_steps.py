@@ -115,7 +115,7 @@ def run_steps(policy: dict, kernels: KernelSet, device: str) -> dict:
                 impl._after_attention(layer, kv_cache, plan)
             if layer_tables is not None:
                 outputs.append(layer_tables.cpu())
-        scores = state.scores.by_slot.cpu() if state.scores is not None else None
+        scores = state.tables.by_slot.cpu() if state.tables is not None else None
         return {"caches": [cache.cpu() for cache in caches], "scores": scores, "outputs": outputs,
                 "kept": {rid: request.kept_choices() for rid, request in state.requests.items()}}
     finally:

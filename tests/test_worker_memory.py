@@ -84,7 +84,7 @@ def test_block_map_stores_positions_only_once_it_reorders() -> None:
 
 def test_layer_block_tables_are_as_wide_as_the_step_reads() -> None:
     from vllm_kvprune.config import KVPolicyConfig
-    from vllm_kvprune.worker.backend import _layer_block_tables
+    from vllm_kvprune.worker.layouts.blocks import layer_block_tables
     from vllm_kvprune.worker.state import StepRows, WorkerKVState
 
     config = KVPolicyConfig.from_dict({"name": "paged_eviction", "budget": 128, "sinks": 4})
@@ -93,11 +93,11 @@ def test_layer_block_tables_are_as_wide_as_the_step_reads() -> None:
     block_row = np.arange(1, 129, dtype=np.int32)  # a max_model_len of 4096 tokens: 128 columns
     state.rows = StepRows(["r"], np.array([0]), np.array([300]), block_row[None], [None])
     state.plan(np.array([0, 300]), 32)  # the prompt, pruned to 4 blocks
-    state.scores.by_slot.uniform_()
+    state.tables.by_slot.uniform_()
     for computed in range(300, 300 + 64):  # decode until a block is evicted and reused
         state.rows = StepRows(["r"], np.array([computed]), np.array([300]), block_row[None], [None])
         plan = state.plan(np.array([0, 1]), 32)
-        tables = _layer_block_tables(torch.from_numpy(block_row[None]), plan, state)
+        tables = layer_block_tables(torch.from_numpy(block_row[None]), plan, state.tables)
         if tables is not None:
             assert tables.shape[2] <= config.cap_blocks(32) + 1 < block_row.shape[0]
             return

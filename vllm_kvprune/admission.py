@@ -24,15 +24,7 @@ from vllm_kvprune.config import REQUEST_KEYS, KVConfigError, KVPolicyConfig
 
 
 def _explain(policy: KVPolicyConfig, block_size: int) -> str:
-    if policy.reports_footprint:
-        return "a voted request may keep every token of its prompt and output, as without a policy"
-    if policy.name == "fdc":
-        return "fdc keeps every token, each in a narrower block"
-    cap = policy.cap_blocks(block_size)
-    if policy.prefill == "streaming":
-        return (f"budget {policy.budget} - 1 + prefill_chunk {policy.prefill_chunk} tokens while a prompt is "
-                f"streamed, {cap} blocks after it")
-    return f"budget {policy.budget} + prune_interval {policy.prune_interval} tokens: {cap} blocks after the prompt"
+    return policy.policy.explain_capacity(policy, block_size)
 
 
 def check_request_fits(policy: KVPolicyConfig, extra_args: Mapping[str, Any] | None, block_size: int,

@@ -17,6 +17,7 @@ import json
 from typing import Any, Awaitable, Callable
 
 from vllm_kvprune.config import REPORT_KEY, REQUEST_KEYS
+from vllm_kvprune.frontend import FRONT_END
 
 PATH = "vllm_kvprune.http_settings.MisplacedKVSettings"
 KV_KEYS = frozenset((*REQUEST_KEYS, REPORT_KEY, "kv_policy"))
@@ -98,13 +99,9 @@ async def _answer_400(send: Send, body: bytes) -> None:
 
 def _policy_runs() -> bool:
     # As for vllm_xargs: without a policy in this front end, KV settings are not checked.
-    from vllm_kvprune import plugin
-
-    return plugin.frontend_policy() is not None
+    return FRONT_END.policy is not None
 
 
 def _count_rejection(key: str) -> None:
     # The front end's refusal counter, as for a bad vllm_xargs value.
-    from vllm_kvprune import plugin
-
-    plugin.count_frontend_rejection(key)
+    FRONT_END.count_rejection(key)

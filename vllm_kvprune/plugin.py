@@ -18,17 +18,17 @@ from vllm_kvprune import admission, gpu_on_cpu, http_settings, unsupported, vllm
 from vllm_kvprune.config import (
     ADDITIONAL_CONFIG_KEY,
     ALL_POLICIES,
-    AVAILABLE_POLICIES,
     CLI,
     DICT,
-    POSITION_MODES,
-    PREFILL_MODES,
     REQUEST,
+    SETTINGS,
     CLIFlags,
     KVConfigError,
     KVPolicyConfig,
     from_additional_config,
 )
+from vllm_kvprune.frontend import FRONT_END, count_rejection
+from vllm_kvprune.policies import REGISTRY, readers
 
 logger = logging.getLogger("vllm_kvprune")
 
@@ -42,17 +42,11 @@ GPU_BACKENDS = {
     "TRITON_ATTN": "vllm_kvprune.worker.triton_backend.KVPruneTritonBackend",
     "FLASH_ATTN": "vllm_kvprune.worker.flash_backend.KVPruneFlashBackend",
 }
-# The policies the GPU wrapper carries out (all of them today; docs/GPU.md).
-GPU_POLICIES = ("streaming", "h2o", "paged_eviction", "gvote", "fdc")
 REQUEST_VALIDATOR = "vllm_kvprune.plugin:RequestValidator"
 CPU_DEFAULT_BLOCK_SIZE = 128
 
 _installed = False
 _install_error: BaseException | None = None
-# The policy the engine was built with, in this (front-end) process: checks requests.
-_frontend_policy: KVPolicyConfig | None = None
-_frontend_block_size: int | None = None
-_frontend_vllm_config = None
 
 
 def register() -> None:
@@ -121,70 +115,51 @@ def require_installed(where: str) -> None:
     vllm_hooks.require_compatible_vllm(where)
 
 
-# ---- front end: flags ------------------------------------------------------------------
+# ---- front end: flags (derived from the registry's settings) ------------------------------
+FLAG_GROUP = "KV policy (vllm-kvprune)"
+
+
 def _add_kv_flags(parser):
-    group = parser.add_argument_group(
-        "KV policy (vllm-kvprune)", "Prune or compress the paged KV cache. See the README."
-    )
-    group.add_argument("--kv-policy", type=str, default=None, metavar="{" + ",".join(ALL_POLICIES) + "}",
-                       help="KV-cache policy (default: none, vLLM unchanged).")
-    group.add_argument("--kv-budget", type=str, default=None, metavar="TOKENS",
-                       help="Tokens a request keeps in its KV cache (a decode query attends to at most this many).")
-    group.add_argument("--kv-sinks", type=str, default=None, metavar="N", help="First tokens always kept (default 4).")
-    group.add_argument("--kv-window", type=str, default=None, metavar="N",
-                       help="Recent tokens kept; budget = sinks + window.")
-    group.add_argument("--kv-recent", type=str, default=None, metavar="N",
-                       help="h2o: newest tokens every head keeps (default: half of budget - sinks); "
-                            "paged_eviction: newest tokens never evicted (default: one block; 0 with "
-                            "--kv-sinks 0 is the paper's rule).")
-    group.add_argument("--kv-prune-interval", type=str, default=None, metavar="R",
-                       help="Lazy pruning: evict every R steps, R tokens at a time (default 1).")
-    group.add_argument("--kv-positions", type=str, default=None, metavar="{" + ",".join(POSITION_MODES) + "}",
-                       help="RoPE positions of kept tokens: original (default) or cache (StreamingLLM).")
-    group.add_argument("--kv-prefill", type=str, default=None, metavar="{" + ",".join(PREFILL_MODES) + "}",
-                       help="full: prefill the whole prompt then prune; streaming: prune between chunks.")
-    group.add_argument("--kv-prefill-chunk", type=str, default=None, metavar="TOKENS",
-                       help="Chunk size of a streaming prefill (default 256).")
-    group.add_argument("--kv-gvote-p", type=str, default=None, metavar="P",
-                       help="gvote: nucleus threshold setting each query head's vote size (default 0.95).")
-    group.add_argument("--kv-gvote-samples", type=str, default=None, metavar="S",
-                       help="gvote: synthetic future queries that vote (default 8).")
-    group.add_argument("--kv-gvote-future", type=str, default=None, metavar="N",
-                       help="gvote: future positions whose RoPE the synthetic queries average (default 16).")
-    group.add_argument("--kv-gvote-seed", type=str, default=None, metavar="SEED",
-                       help="gvote: seed of the synthetic queries (default 0).")
-    group.add_argument("--kv-fdc", type=str, default=None, metavar="FILE",
-                       help="FDC calibration file of the model (vllm-kvprune calibrate fdc MODEL --out FILE): "
-                            "narrower KV heads, alone (--kv-policy fdc) or under --kv-policy streaming or "
-                            "paged_eviction.")
-    group.add_argument("--kv-config", type=str, default=None, metavar="FILE.yaml",
-                       help="YAML file of KV policy settings; --kv-* flags override it.")
+    """`--kv-policy`, `--kv-config` and one flag per registered setting: the ones several
+    policies read in the main group, a policy's own in a group of its own."""
+    main = parser.add_argument_group(FLAG_GROUP, "Prune or compress the paged KV cache. See the README.")
+    main.add_argument("--kv-policy", type=str, default=None, metavar="{" + ",".join(ALL_POLICIES) + "}",
+                      help="KV-cache policy (default: none, vLLM unchanged).")
+    groups = {}
+    for setting in SETTINGS.values():
+        owners = readers(setting.name)
+        group = main
+        if len(owners) == 1:
+            owner = owners[0]
+            if owner not in groups:
+                groups[owner] = parser.add_argument_group(f"{FLAG_GROUP}: {owner}", f"Settings of --kv-policy {owner}.")
+            group = groups[owner]
+        group.add_argument(setting.flag, type=str, default=None, metavar=setting.flag_metavar(),
+                           help=flag_help(setting))
+    main.add_argument("--kv-config", type=str, default=None, metavar="FILE.yaml",
+                      help="YAML file of KV policy settings; --kv-* flags override it.")
     return parser
 
 
-_INT_FLAGS = ("budget", "sinks", "window", "recent", "prune_interval", "prefill_chunk", "gvote_samples",
-              "gvote_future", "gvote_seed")
-_FLOAT_FLAGS = ("gvote_p",)
+def flag_help(setting) -> str:
+    """A flag's help: what it is, its default, which policies read it and what it means to each."""
+    default = setting.shown_default or (f"{setting.default}" if setting.default is not None else None)
+    parts = [setting.help]
+    if default is not None:
+        parts.append(f"Default: {default.strip('`')}.")
+    parts.append(f"Read by: {', '.join(readers(setting.name))}.")
+    parts += [REGISTRY[name].notes[setting.name].replace("`", "") + "." for name in readers(setting.name)
+              if setting.name in REGISTRY[name].notes]
+    return " ".join(parts).replace("%", "%%")
 
 
 def flags_from_namespace(args) -> CLIFlags:
-    """The `--kv-*` values of a parsed namespace, with integers checked."""
+    """The `--kv-*` values of a parsed namespace, each parsed as its setting's type."""
     values = {}
-    for name in ("policy", "budget", "sinks", "window", "recent", "prune_interval", "positions", "prefill",
-                 "prefill_chunk", "gvote_p", "gvote_samples", "gvote_future", "gvote_seed", "fdc", "config"):
+    for name, setting in SETTINGS.items():
         raw = getattr(args, f"kv_{name}", None)
-        if raw is not None and name in _INT_FLAGS:
-            try:
-                raw = int(raw)
-            except ValueError:
-                raise KVConfigError(CLI.name(name), f"must be an integer, got {raw!r}") from None
-        if raw is not None and name in _FLOAT_FLAGS:
-            try:
-                raw = float(raw)
-            except ValueError:
-                raise KVConfigError(CLI.name(name), f"must be a number, got {raw!r}") from None
-        values[name] = raw
-    return CLIFlags(**values)
+        values[name] = setting.parse_flag(raw) if raw is not None else None
+    return CLIFlags(policy=getattr(args, "kv_policy", None), config=getattr(args, "kv_config", None), values=values)
 
 
 def policy_from_args(args) -> KVPolicyConfig | None:
@@ -194,8 +169,6 @@ def policy_from_args(args) -> KVPolicyConfig | None:
     if policy is None:
         return None
     policy.check_engine(getattr(args, "block_size", None) or CPU_DEFAULT_BLOCK_SIZE, CLI)
-    if policy.name not in AVAILABLE_POLICIES:
-        raise KVConfigError(CLI.name("policy"), f"policy {policy.name} is not available yet")
     check_fdc_file(policy, getattr(args, "model", None), CLI)
     check_fdc_projections(policy)
     unsupported.check(policy.name, args)
@@ -257,16 +230,12 @@ def _prepare_engine_args(engine_args) -> KVPolicyConfig | None:
     if not policy.active:
         return None
     require_installed("front end")
-    if policy.name not in AVAILABLE_POLICIES:
-        raise KVConfigError(f"{ADDITIONAL_CONFIG_KEY}.name", f"policy {policy.name} is not available yet")
     try:
         unsupported.check(policy.name, engine_args)
     except KVConfigError as exc:
         raise ValueError(exc.problem) from None
-    if policy.name == "gvote" and not engine_args.enforce_eager:
-        # The vote reads each layer's query-projection input through a module hook, which a
-        # compiled graph would not run.
-        logger.info("kvprune: gvote runs the model eagerly (--enforce-eager)")
+    if policy.policy.eager and not engine_args.enforce_eager:
+        logger.info("kvprune: %s runs the model eagerly (--enforce-eager): %s", policy.name, policy.policy.eager)
         engine_args.enforce_eager = True
     if engine_args.enable_prefix_caching is not False:
         logger.info("kvprune: prefix caching turned off (pruned blocks must never be shared)")
@@ -275,7 +244,6 @@ def _prepare_engine_args(engine_args) -> KVPolicyConfig | None:
 
 
 def _adjust_vllm_config(vllm_config, policy: KVPolicyConfig) -> None:
-    global _frontend_policy, _frontend_block_size, _frontend_vllm_config
     from vllm.platforms import current_platform
 
     unsupported.check_model(policy.name, vllm_config.model_config)
@@ -293,6 +261,10 @@ def _adjust_vllm_config(vllm_config, policy: KVPolicyConfig) -> None:
                          "(CPU, CUDA and ROCm only)")
     block_size = vllm_config.cache_config.block_size
     policy.check_engine(block_size)
+    tail, step_tokens = policy.policy.prompt_tail(policy), vllm_config.scheduler_config.max_num_batched_tokens
+    if tail > step_tokens:
+        raise ValueError(f"kv_policy {policy.name!r} computes the last {tail} tokens of a prompt in one step, more than "
+                         f"--max-num-batched-tokens {step_tokens}; raise it or lower the policy's setting")
     check_fdc_file(policy, vllm_config.model_config.model)
     check_fdc_projections(policy)
     parallel = vllm_config.parallel_config
@@ -303,7 +275,7 @@ def _adjust_vllm_config(vllm_config, policy: KVPolicyConfig) -> None:
     model_config = vllm_config.model_config
     model_config.logits_processors = [*(model_config.logits_processors or []), REQUEST_VALIDATOR]
     vllm_config.additional_config[ADDITIONAL_CONFIG_KEY] = policy.to_dict()
-    _frontend_policy, _frontend_block_size, _frontend_vllm_config = policy, block_size, vllm_config
+    FRONT_END.serve(policy, block_size, vllm_config)
 
 
 def scheduler_cls(async_scheduling: bool | None) -> str:
@@ -313,10 +285,10 @@ def scheduler_cls(async_scheduling: bool | None) -> str:
 
 
 def _check_gpu_policy(policy: KVPolicyConfig) -> None:
-    """On a GPU only the policies the Triton wrapper carries out start (a new policy joins
-    `GPU_POLICIES` once it does)."""
-    if policy.name not in GPU_POLICIES:
-        raise ValueError(f"kv_policy {policy.name!r} does not run on a GPU yet (GPU: {', '.join(GPU_POLICIES)}: "
+    """On a GPU only the policies the GPU wrappers carry out start (their `gpu` trait)."""
+    if not policy.policy.gpu:
+        gpu_policies = [name for name, each in REGISTRY.items() if each.gpu and name != "none"]
+        raise ValueError(f"kv_policy {policy.name!r} does not run on a GPU yet (GPU: {', '.join(gpu_policies)}: "
                          "docs/GPU.md)")
 
 
@@ -348,11 +320,6 @@ def _memory_hint(vllm_config) -> str | None:
     return admission.memory_hint(policy, vllm_config.cache_config.block_size, vllm_config.model_config.max_model_len)
 
 
-def _frontend_pool_blocks() -> int | None:
-    """Usable KV blocks, once the engine has reported its pool (None before)."""
-    return vllm_hooks.reported_pool_blocks(_frontend_vllm_config) if _frontend_vllm_config is not None else None
-
-
 def check_prompt(vllm_config, num_prompt_tokens: int) -> None:
     """Front end, every prompt of the engine `vllm_config` configures: under `prefill: full`
     it must fit the pool (HTTP 400)."""
@@ -363,25 +330,8 @@ def check_prompt(vllm_config, num_prompt_tokens: int) -> None:
     try:
         admission.check_prompt_fits(policy, num_prompt_tokens, vllm_config.cache_config.block_size, usable)
     except KVConfigError as exc:
-        _count_rejection(vllm_config, exc.setting)
+        count_rejection(vllm_config, exc.setting)
         raise
-
-
-def frontend_policy() -> KVPolicyConfig | None:
-    """The policy this front end checks requests against (None: no policy runs here)."""
-    return _frontend_policy
-
-
-def count_frontend_rejection(setting: str) -> None:
-    """A request this front end refused for `setting` (outside the request validator)."""
-    if _frontend_vllm_config is not None:
-        _count_rejection(_frontend_vllm_config, setting)
-
-
-def _count_rejection(vllm_config, setting: str) -> None:
-    from vllm_kvprune.metrics.exporter import record_rejection
-
-    record_rejection(vllm_config, setting)
 
 
 # ---- per request: HTTP 400 for a bad override --------------------------------------------
@@ -400,17 +350,9 @@ def _request_validator_cls():
 
         @classmethod
         def validate_params(cls, sampling_params) -> None:
-            if _frontend_policy is None:
-                return
             try:
-                policy = _frontend_policy.for_request(sampling_params.extra_args)
-                policy.check_engine(_frontend_block_size, REQUEST)
-                usable = _frontend_pool_blocks()
-                if usable is not None:
-                    admission.check_request_fits(policy, sampling_params.extra_args, _frontend_block_size,
-                                                 _frontend_vllm_config.model_config.max_model_len, usable)
+                FRONT_END.check_request(sampling_params.extra_args)
             except KVConfigError as exc:
-                _count_rejection(_frontend_vllm_config, exc.setting)
                 raise VLLMValidationError(str(exc), parameter=exc.setting) from None
 
         def __init__(self, vllm_config, device, is_pin_memory) -> None:

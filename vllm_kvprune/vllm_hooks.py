@@ -262,6 +262,12 @@ def batch_rows(runner: Any, num_reqs: int, group: int) -> tuple[list[str], Any, 
     return _read("InputBatch", read)
 
 
+def metadata_builders(runner: Any, group: int) -> list[Any]:
+    """Every attention metadata builder of KV-cache group `group` of the runner."""
+    return _read("AttentionGroup", lambda: [builder for attention_group in runner.attn_groups[group]
+                                            for builder in attention_group.metadata_builders])
+
+
 def ended_requests(scheduler_output: Any) -> tuple[str, ...]:
     """Requests whose worker state must go: finished, aborted or preempted."""
     return _read("SchedulerOutput", lambda: (*scheduler_output.finished_req_ids,

@@ -1,4 +1,4 @@
-"""Debug invariant mode: `VLLM_KVPRUNE_CHECK=1` checks, after every engine step, what the tests
+"""Debug invariant mode: `KVPRUNE_CHECK=1` checks, after every engine step, what the tests
 otherwise check from outside, and stops the engine loudly (`InvariantError`) at the first breach.
 
 Scheduler side (`check_scheduler`, after each `update_from_output`, and `check_released` after a
@@ -12,24 +12,25 @@ request is freed or preempted):
 Worker side (`WorkerKVState.plan`, `check_planned`): each planned request's map holds every
 position at most once and no slot twice (`check()` of its map), every block its map reaches is
 a real block of its own block-table row (no write outside its own blocks: not into vLLM's null
-block, not past its row), and no two slot-mapped requests hold the same physical slot (with the
+block, not past its row), and no two requests' maps reach the same physical slot (with the
 scheduler's check that no block is held twice, no request writes into another's blocks).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
 
+from vllm_kvprune import envs
+
 from vllm_kvprune.worker.slot_map import InvariantError
 
-CHECK_ENV = "VLLM_KVPRUNE_CHECK"
+CHECK_ENV = envs.name("CHECK")
 
 
 def enabled() -> bool:
-    return os.environ.get(CHECK_ENV) == "1"
+    return envs.get("CHECK") == "1"
 
 
 def check_scheduler(scheduler: Any, capped_managers: list) -> None:
@@ -84,14 +85,11 @@ def check_planned(states: list[tuple[str, Any, np.ndarray]], block_size: int) ->
     held_slots, holders = [], []
     for request_id, state, block_row in states:
         block_row = np.asarray(block_row)
-        for held in (state.slots, state.heads, state.blocks, state.pages):
-            if held is not None:
-                held.check()
-                _check_inside_own_blocks(request_id, held.blocks_spanned(block_size), block_row)
-        if state.heads is None and state.blocks is None and state.pages is None:
-            slots = np.arange(state.slots.num_valid)
-            held_slots.append(block_row[slots // block_size] * block_size + slots % block_size)
-            holders += [request_id] * len(slots)
+        state.map.check()
+        _check_inside_own_blocks(request_id, state.map.blocks_spanned(block_size), block_row)
+        slots = state.map.local_slots()
+        held_slots.append(block_row[slots // block_size] * block_size + slots % block_size)
+        holders += [request_id] * len(slots)
     if held_slots:
         every = np.concatenate(held_slots)
         unique, first, counts = np.unique(every, return_index=True, return_counts=True)

@@ -21,6 +21,8 @@ def chunk_tokens(policy: KVPolicyConfig, num_prompt_tokens: int, num_computed: i
     independent of batching:
     - a prefill chunk never crosses the prompt's end (compaction happens exactly there);
     - with `prefill: streaming` a chunk never crosses a multiple of `prefill_chunk`;
+    - a chunk never ends within the policy's `prompt_tail` of the prompt's end: the last
+      chunk holds at least those tokens (or none is run this step; vLLM schedules it later);
     - past the prompt, one token per step, also when a preempted request replays its
       outputs: each replayed token then sees the same cache it saw the first time,
       so recompute after preemption is exact.
@@ -31,6 +33,9 @@ def chunk_tokens(policy: KVPolicyConfig, num_prompt_tokens: int, num_computed: i
     if policy.prefill == "streaming":
         chunk = policy.prefill_chunk
         end = min(end, (num_computed // chunk + 1) * chunk)
+    tail = policy.policy.prompt_tail(policy)
+    if 0 < num_prompt_tokens - end < tail:
+        end = max(num_computed, num_prompt_tokens - tail)
     return end - num_computed
 
 
@@ -65,7 +70,7 @@ class KVPruneSchedulerMixin:
             for manager in managers if not isinstance(manager, KVPruneManager)
         )
         self._log_capacity()
-        self._checking = checks.enabled() and bool(self.kvprune_managers)  # VLLM_KVPRUNE_CHECK=1
+        self._checking = checks.enabled() and bool(self.kvprune_managers)  # KVPRUNE_CHECK=1
         # Metrics (vllm_kvprune.metrics): counted when vLLM logs stats and a policy is on.
         folder = metrics.metrics_dir()
         self.kvprune_stats = None
@@ -217,7 +222,7 @@ class KVPruneSchedulerMixin:
         """A finished request's KV statistics (asked for with the `kv_report` extra arg): its
         policy, the blocks it held at the end in the policy's KV-cache groups against those it
         would hold without the policy, and the tokens it kept (mean and max over layers and KV
-        heads, as the worker last reported them; absent with VLLM_KVPRUNE_METRICS=0)."""
+        heads, as the worker last reported them; absent with KVPRUNE_METRICS=0)."""
         request_id = request.request_id
         policy = self.request_policies.get(request_id)
         report = {"policy": policy.name if policy is not None else self.kv_policy.name,

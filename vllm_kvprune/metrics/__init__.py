@@ -10,9 +10,9 @@ front end as msgpack decoded into that dataclass, so any field of ours is droppe
 (checked on vLLM 0.32), and the stat-logger plugins (`vllm.stat_logger_plugins`) only see what
 arrives. So the engine core writes its totals to a small JSON file (atomically, at most every
 `WRITE_INTERVAL_S` and whenever the engine goes idle) in a folder the front end made and its
-engine processes inherit (`VLLM_KVPRUNE_METRICS_DIR`), and the front end's collector reads the
+engine processes inherit (`KVPRUNE_METRICS_DIR`), and the front end's collector reads the
 files of live engines when `/metrics` is scraped. Counting follows vLLM's `log_stats`: off with
-`--disable-log-stats` (and in `LLM(...)` unless `disable_log_stats=False`); `VLLM_KVPRUNE_METRICS=0`
+`--disable-log-stats` (and in `LLM(...)` unless `disable_log_stats=False`); `KVPRUNE_METRICS=0`
 turns off ours alone (the overhead benchmark compares the two).
 """
 
@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import os
 
-DIR_ENV = "VLLM_KVPRUNE_METRICS_DIR"
-SWITCH_ENV = "VLLM_KVPRUNE_METRICS"
+from vllm_kvprune import envs
+
+DIR_ENV = envs.name("METRICS_DIR")
+SWITCH_ENV = envs.name("METRICS")
 PREFIX = "vllm:kvprune_"
 WRITE_INTERVAL_S = 0.5
 
@@ -50,7 +52,7 @@ METRICS: dict[str, tuple[str, str]] = {
 
 
 def enabled() -> bool:
-    return os.environ.get(SWITCH_ENV, "1") != "0"
+    return envs.get("METRICS", "1") != "0"
 
 
 _made_here: str | None = None  # the folder this process made, if it made one
@@ -70,7 +72,7 @@ def metrics_dir(create: bool = False) -> str | None:
         return None
     import multiprocessing
 
-    folder = os.environ.get(DIR_ENV)
+    folder = envs.get("METRICS_DIR")
     if not create or (folder and (folder == _made_here or multiprocessing.parent_process() is not None)):
         return folder
     import atexit

@@ -1,32 +1,58 @@
-"""KV policies: each decides which tokens stay; the shared mechanism moves them.
+"""The registry of KV policies: one module each, and everything else derives from them.
 
-A policy is a small class (see `base.Policy`); `get_policy(name)` returns it.
+A policy module declares one `Policy` (`policies/base.py`) as `POLICY`: its settings (shared
+ones from `policies/settings.py`, its own beside it), its traits and its decisions. Adding a
+method is its module, its reference (`vllm_kvprune/reference/`), a kernel if it needs one and
+its line in `MODULES`; the config's fields, the flags, the per-request keys, the request
+checks, the model checks and the docs' tables follow.
 """
 
 from __future__ import annotations
 
-from vllm_kvprune.policies.base import Policy
-from vllm_kvprune.policies.fdc import FdcPolicy
-from vllm_kvprune.policies.gvote import GVotePolicy
-from vllm_kvprune.policies.h2o import H2OPolicy
-from vllm_kvprune.policies.paged_eviction import PagedEvictionPolicy
-from vllm_kvprune.policies.streaming import StreamingPolicy
+import importlib
 
-_POLICIES: dict[str, type[Policy]] = {
-    "streaming": StreamingPolicy,
-    "h2o": H2OPolicy,
-    "paged_eviction": PagedEvictionPolicy,
-    "gvote": GVotePolicy,
-    "fdc": FdcPolicy,
-}
+from vllm_kvprune.policies.base import LAYOUTS, NoPolicy, Policy
+from vllm_kvprune.policies.settings import FDC, POSITIONS, PREFILL, PREFILL_CHUNK, PRUNE_INTERVAL, Setting
+
+# The policy modules under vllm_kvprune/policies/, in the order the docs list them.
+MODULES = (
+    "streaming",
+    "h2o",
+    "paged_eviction",
+    "gvote",
+    "fdc",
+)
+
+REGISTRY: dict[str, Policy] = {NoPolicy.name: NoPolicy()}
+for _module in MODULES:
+    _policy = importlib.import_module(f"{__name__}.{_module}").POLICY
+    REGISTRY[_policy.name] = _policy
+del _module, _policy
 
 
 def get_policy(name: str) -> Policy:
-    """The policy object for an available policy name."""
+    """The registered policy called `name`."""
     try:
-        return _POLICIES[name]()
+        return REGISTRY[name]
     except KeyError:
-        raise ValueError(f"policy {name!r} is not available yet") from None
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(REGISTRY)}") from None
 
 
-__all__ = ["FdcPolicy", "GVotePolicy", "H2OPolicy", "PagedEvictionPolicy", "Policy", "StreamingPolicy", "get_policy"]
+def all_settings() -> tuple[Setting, ...]:
+    """Every setting some policy reads, each once, in the order the docs list them (shared
+    ones first, in the order policies declare them)."""
+    seen: dict[str, Setting] = {}
+    for policy in REGISTRY.values():
+        for setting in policy.settings:
+            if seen.setdefault(setting.name, setting) is not setting:
+                raise TypeError(f"two settings are called {setting.name!r} ({policy.name}'s is another object)")
+    return tuple(seen.values())
+
+
+def readers(setting_name: str) -> list[str]:
+    """The policies that read a setting."""
+    return [name for name, policy in REGISTRY.items() if policy.reads(setting_name)]
+
+
+__all__ = ["FDC", "LAYOUTS", "MODULES", "POSITIONS", "PREFILL", "PREFILL_CHUNK", "PRUNE_INTERVAL", "REGISTRY",
+           "Policy", "Setting", "all_settings", "get_policy", "readers"]

@@ -12,16 +12,59 @@ after the vote. What the paper leaves open and what we chose: `docs/GVOTE.md`.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from vllm_kvprune.policies.base import Policy
+from vllm_kvprune.policies.settings import Setting
+
+P = Setting("gvote_p", float, 0.95, "Nucleus threshold; each query head votes for as many keys as the last "
+            "prompt token's top-p attention set holds (1 keeps everything).", fraction=True, per_request=True,
+            metavar="P")
+SAMPLES = Setting("gvote_samples", int, 8, "Synthetic queries that vote.", minimum=1, per_request=True,
+                  metavar="S")
+FUTURE = Setting("gvote_future", int, 16, "Future positions whose RoPE cos/sin the synthetic queries "
+                 "average.", minimum=1)
+SEED = Setting("gvote_seed", int, 0, "Sampling seed (layer l draws from seed + 7919 l), so a run is "
+               "reproducible.", minimum=0, metavar="SEED")
+_OWN_FOOTPRINT = "chooses its own footprint; remove it"
 
 
 class GVotePolicy(Policy):
-    """Budget-free, per-head keep sets of different lengths (head-pages)."""
+    """Budget-free, per-head keep sets of different lengths (`head_pages` layout)."""
 
     name = "gvote"
-    granularity = "headpage"
+    summary = ("GVote, budget-free: at the end of each prompt, per layer, synthetic future queries (drawn from a "
+               "Gaussian fitted to the layer's hidden states, projected and rotated by the model's own weights and "
+               "RoPE) vote for keys; each KV head keeps the union of its group's votes, its own length, packed in "
+               "head-pages; nothing is evicted after the vote (`docs/GVOTE.md`)")
+    layout = "head_pages"
+    settings = (P, SAMPLES, FUTURE, SEED)
+    refused_settings = {"budget": _OWN_FOOTPRINT, "window": _OWN_FOOTPRINT,
+                        "prefill": "supports only 'full' (it votes once over the whole prompt)"}
+    fdc_refusal = ("gvote's per-head lengths (head-pages) and FDC's per-head widths (packed rows) are two layouts "
+                   "that are not combined")
+    model_refusals = {"softcap": "its vote computes logits without soft-capping",
+                      "sinks": "its head-page attention hands the kernel one KV head's query group per sequence, "
+                               "which per-query-head sinks would not follow"}
+    eager = "the vote reads each layer's query-projection input through a module hook, which a compiled graph would not run"
+    reference = "gvote"
+
+    def explain_capacity(self, config, block_size: int) -> str:
+        return "a voted request may keep every token of its prompt and output, as without a policy"
+
+    def check_model(self, model: Any, layer_names: list[str]) -> str | None:
+        """The vote projects synthetic hidden states with each layer's own fused QKV projection and RoPE."""
+        from vllm_kvprune import vllm_hooks
+
+        for layer_name in layer_names:
+            owner = model.get_submodule(layer_name.rsplit(".", 1)[0])
+            if not hasattr(owner, "qkv_proj"):
+                return f"gvote: attention without a fused QKV projection ({layer_name}) is not supported"
+            if vllm_hooks.rope_rotation(getattr(owner, "rotary_emb", None)) is None:
+                return f"gvote: attention without a plain rotary embedding ({layer_name}) is not supported"
+        return None
 
     @staticmethod
     def layer_generator(seed: int, layer: int) -> torch.Generator:
@@ -61,3 +104,6 @@ class GVotePolicy(Policy):
         top = torch.topk(logits, int(budgets.max()), dim=-1).values  # [H, G, S, largest], best first
         rank = (budgets.view(num_kv_heads, -1, 1, 1) - 1).expand(-1, -1, samples, 1)
         return (logits >= top.gather(-1, rank)).any(dim=2).any(dim=1)
+
+
+POLICY = GVotePolicy()

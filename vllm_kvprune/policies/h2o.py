@@ -8,41 +8,43 @@ heads disagree on which tokens, never on how many. Ties go against the oldest to
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
-from vllm_kvprune import kernels
-from vllm_kvprune.config import KVPolicyConfig
-from vllm_kvprune.kernels.victims import VictimSearch
-from vllm_kvprune.policies.base import Policy
+from vllm_kvprune.policies.base import BudgetedPolicy, HeadScorerPolicy, NameOf
+from vllm_kvprune.policies.settings import RECENT, KVConfigError
+
+if TYPE_CHECKING:
+    from vllm_kvprune.config import KVPolicyConfig
 
 
-class H2OPolicy(Policy):
-    """Evicts, per KV head, the lowest-mass tokens outside the sinks and the recent window."""
+class H2OPolicy(HeadScorerPolicy):
+    """Evicts, per KV head, the lowest-mass tokens outside the sinks and the recent window; the
+    mass is every query's softmax probabilities, added up (`keeps_attention_mass`)."""
 
     name = "h2o"
-    granularity = "head"
+    summary = ("H2O: per layer and KV head, the `sinks`, the `recent` newest tokens and the tokens with the most "
+               "accumulated attention mass (a KV head sums its GQA query group); each head evicts its own "
+               "lowest-mass token and the new token's K/V for that head is written into that head's victim slot "
+               "(EQUIP per head); mass from a kernel that computes decode attention and mass in one pass; lazy "
+               "pruning")
+    settings = (*BudgetedPolicy.settings, RECENT)
+    notes = {"recent": "`h2o`: newest tokens every head keeps (default `(budget - sinks) // 2`); the other "
+                       "`budget - 1 - sinks - recent` kept tokens are heavy hitters"}
+    fdc_refusal = "h2o's attention mass would have to come from the reduced-space kernel, which does not compute it"
+    model_refusals = {"sinks": "its decode attention and mass run in our kernel, which has no learned sinks"}
+    reference = "h2o"
+    keeps_attention_mass = True
 
-    def evicted(self, mass: torch.Tensor, slots: torch.Tensor, logical: torch.Tensor, count: int,
-                next_position: int, config: KVPolicyConfig) -> torch.Tensor:
-        """Indices into `slots` `[n]` (a request's global slots), `[layers, heads, count]`, of
-        the tokens each layer's heads evict: lowest `mass` (the table `[layers, heads,
-        num_slots]`), outside the sinks and the recent window before `next_position`; the
-        slots hold positions `logical` `[layers, heads, n]`."""
-        return kernels.lowest_mass_slots(mass, slots, logical, count, next_position, config.sinks,
-                                         config.recent_size)
+    def validate(self, config: KVPolicyConfig, name_of: NameOf) -> KVPolicyConfig:
+        config = super().validate(config, name_of)
+        if config.sinks + config.recent_size > config.budget - 1:
+            raise KVConfigError(name_of("recent"), f"must be at most budget - 1 - sinks = "
+                                                   f"{config.budget - 1 - config.sinks} (room for the new token), got "
+                                                   f"{config.recent}")
+        return config
 
-    def evicted_many(self, mass: torch.Tensor, searches: list[VictimSearch]) -> list[torch.Tensor]:
-        """`evicted` for several requests of one step at once (each search carries its
-        request's sinks and recent window): where the table is, in one pass on a device."""
-        return kernels.lowest_mass_slots_many(mass, searches)
+    def protected(self, config: KVPolicyConfig) -> tuple[int, int]:
+        return config.sinks, config.recent_size
 
-    def prefill_survivors(self, mass: torch.Tensor, slots: torch.Tensor, keep: int,
-                          config: KVPolicyConfig) -> torch.Tensor:
-        """Indices into a prompt's `slots` `[P]` (= prompt positions) that each head of one
-        layer keeps, ascending `[heads, keep]`; `mass` is that layer's table `[heads, num_slots]`."""
-        num_heads, num_tokens = mass.shape[0], len(slots)
-        positions = torch.arange(num_tokens).expand(1, num_heads, -1)
-        evicted = self.evicted(mass[None], slots, positions, num_tokens - keep, num_tokens, config)[0]
-        kept = torch.ones(num_heads, num_tokens, dtype=torch.bool)
-        kept.scatter_(1, evicted, False)
-        return torch.arange(num_tokens).expand(num_heads, -1)[kept].view(num_heads, keep)
+
+POLICY = H2OPolicy()

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vllm_kvprune.fdc.calibration import FdcCalibration
+from vllm_kvprune.fdc.calibration import FdcCalibration, load
 from vllm_kvprune.reference.model import HeadTransform
 from vllm_kvprune.reference.budgeted import BudgetedReference
 
@@ -62,3 +62,15 @@ class FdcReference(BudgetedReference):
     def __init__(self, model: nn.Module, calibration: FdcCalibration, **kwargs) -> None:
         device = next(model.parameters()).device
         super().__init__(model, budget=None, head_transform=FdcTransform(calibration, device), **kwargs)
+
+
+def transform_for(model: nn.Module, config) -> FdcTransform | None:
+    """FDC's head transform for a config with a calibration (`config.fdc`), None without one."""
+    if config.fdc is None:
+        return None
+    return FdcTransform(load(config.fdc), next(model.parameters()).device)
+
+
+def from_config(model: nn.Module, config, block_size: int) -> FdcReference:
+    """The oracle of a served `fdc` config (`KVPolicyConfig`)."""
+    return FdcReference(model, load(config.fdc))

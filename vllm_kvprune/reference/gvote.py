@@ -259,3 +259,9 @@ def _query_projection(attn: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]
         return q
 
     return project
+
+
+def from_config(model: nn.Module, config, block_size: int) -> GVoteReference:
+    """The oracle of a served `gvote` config (`KVPolicyConfig`)."""
+    return GVoteReference(model, p_nuc=config.gvote_p, samples=config.gvote_samples, future=config.gvote_future,
+                          seed=config.gvote_seed)

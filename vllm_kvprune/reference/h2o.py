@@ -73,3 +73,9 @@ class H2OReference(BudgetedReference):
         kept = torch.stack(kept)  # ascending per head: the order the cache keeps
         self.mass[layer] = torch.gather(mass, 1, kept)
         return kept
+
+
+def from_config(model: nn.Module, config, block_size: int) -> H2OReference:
+    """The oracle of a served `h2o` config (`KVPolicyConfig`)."""
+    return H2OReference(model, budget=config.budget, recent=config.recent_size, sinks=config.sinks,
+                        prune_interval=config.prune_interval)

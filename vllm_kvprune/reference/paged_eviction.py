@@ -92,3 +92,13 @@ class PagedEvictionReference(BudgetedReference):
         keep = torch.ones(num_blocks, bs, dtype=torch.bool)
         keep[victims] = False
         self.cache.keep_layer(layer, torch.arange(num_blocks * bs)[keep.flatten()])
+
+
+def from_config(model: nn.Module, config, block_size: int) -> PagedEvictionReference:
+    """The oracle of a served `paged_eviction` config (`KVPolicyConfig`) at the engine's block
+    size, FDC's narrow heads included."""
+    from .fdc import transform_for
+
+    return PagedEvictionReference(model, budget=config.budget, block_size=block_size, sinks=config.sinks,
+                                  prune_interval=config.prune_interval, recent=config.recent,
+                                  head_transform=transform_for(model, config))

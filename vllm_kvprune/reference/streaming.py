@@ -160,3 +160,12 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def from_config(model: nn.Module, config, block_size: int) -> StreamingLLMReference:
+    """The oracle of a served `streaming` config (`KVPolicyConfig`), FDC's narrow heads included."""
+    from .fdc import transform_for
+
+    return StreamingLLMReference(model, budget=config.budget, sinks=config.sinks, prune_interval=config.prune_interval,
+                                 positions=config.positions, prefill=config.prefill,
+                                 prefill_chunk=config.prefill_chunk, head_transform=transform_for(model, config))

@@ -17,13 +17,7 @@ from vllm_kvprune.vllm_hooks import (
     CPUAttentionMetadataBuilder,
 )
 from vllm_kvprune.worker.kernel_sets import CPUKernels
-from vllm_kvprune.worker.policy_attention import (
-    FUSED_DECODE_MASS,
-    PlannedMetadataBuilder,
-    PolicyAttentionImpl,
-    PolicyBackend,
-    _layer_block_tables,
-)
+from vllm_kvprune.worker.policy_attention import PlannedMetadataBuilder, PolicyAttentionImpl, PolicyBackend
 
 
 class KVPruneMetadataBuilder(PlannedMetadataBuilder, CPUAttentionMetadataBuilder):
@@ -41,7 +35,7 @@ class KVPruneMetadataBuilder(PlannedMetadataBuilder, CPUAttentionMetadataBuilder
             return _fdc_metadata(physical)
         return super()._build_physical(common_prefix_len, physical, fast_build)
 
-    def _schedule_pages(self, pages) -> None:
+    def schedule_pages(self, pages) -> None:
         """vLLM's kernel schedule for each layer's head-page sequences (one per row and KV
         head: a KV head's query group is the sequence's heads)."""
         group = self.num_heads // self.num_kv_heads
@@ -68,8 +62,8 @@ class KVPruneImpl(PolicyAttentionImpl, CPUAttentionBackendImpl):
 
     kernels = CPUKernels()
 
-    def _page_metadata(self, attn_metadata, pages, layer_index: int):
-        return dataclasses.replace(super()._page_metadata(attn_metadata, pages, layer_index),
+    def page_metadata(self, attn_metadata, pages, layer_index: int):
+        return dataclasses.replace(super().page_metadata(attn_metadata, pages, layer_index),
                                    scheduler_metadata=pages.schedules[layer_index])
 
 
@@ -80,5 +74,4 @@ class KVPruneCPUBackend(PolicyBackend, CPUAttentionBackend):
     impl_cls = KVPruneImpl
 
 
-__all__ = ["FUSED_DECODE_MASS", "KVPruneCPUBackend", "KVPruneImpl", "KVPruneMetadataBuilder",
-           "_layer_block_tables"]
+__all__ = ["KVPruneCPUBackend", "KVPruneImpl", "KVPruneMetadataBuilder"]

@@ -55,6 +55,15 @@ class LayerBlockMap:
         """Tokens held (mean and max over layers: every layer holds the same count)."""
         return float(self.num_valid), self.num_valid
 
+    def kept_choices(self) -> tuple[str, list]:
+        """The positions kept, sorted, per layer."""
+        return "blocks", [sorted(row[row >= 0].tolist()) for row in self.logical]
+
+    def local_slots(self) -> np.ndarray:
+        """The request's local slots in the blocks some layer reads or keeps free (debug checks)."""
+        blocks = np.unique(np.concatenate([self.order.ravel(), self.free.ravel()]))
+        return (blocks[:, None] * self.block_size + np.arange(self.block_size)).ravel()
+
     @property
     def num_blocks(self) -> int:
         """Blocks in use or free, in every layer."""

@@ -7,19 +7,13 @@ import torch
 from vllm_kvprune import plugin
 from vllm_kvprune.vllm_hooks import CPUWorker
 from vllm_kvprune.worker.model_runner import KVPruneCPUModelRunner
+from vllm_kvprune.worker.worker_mixin import KVPruneWorkerMixin
 
 
-class KVPruneCPUWorker(CPUWorker):
+class KVPruneCPUWorker(KVPruneWorkerMixin, CPUWorker):
     def init_device(self) -> None:
         plugin.require_installed("the worker")
         super().init_device()
         # CPUWorker builds its runner by name; rebuild it as ours (construction is cheap,
         # nothing is loaded until load_model).
         self.model_runner = KVPruneCPUModelRunner(self.vllm_config, torch.device("cpu"))
-
-    def kvprune_ended_choices(self) -> dict:
-        """`LLM.collective_rpc("kvprune_ended_choices")` (debug mode): this rank's KV heads and
-        what each ended request kept (`runtime.ended_choices`)."""
-        from vllm_kvprune.worker import runtime
-
-        return runtime.ended_choices()

@@ -17,34 +17,35 @@ from its rows, vLLM's own code). The exception then stops the engine as vLLM sto
 worker error (the engine core logs it and exits; a server answers 500 and exits), loudly,
 before a corrupt cache could be read.
 
-`VLLM_KVPRUNE_FAULT=PHASE:REGEX` injects a failure, for tests: the requests whose id matches
+`KVPRUNE_FAULT=PHASE:REGEX` injects a failure, for tests: the requests whose id matches
 REGEX (`re.search`) fail in PHASE (`plan`, or `score` for the work after attention).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
+
+from vllm_kvprune import envs
 
 if TYPE_CHECKING:
     from vllm_kvprune.worker.state import RequestKVState
 
 logger = logging.getLogger("vllm_kvprune")
 
-FAULT_ENV = "VLLM_KVPRUNE_FAULT"
+FAULT_ENV = envs.name("FAULT")
 PHASES = ("plan", "score")
 
 
 class InjectedFault(RuntimeError):
-    """The failure `VLLM_KVPRUNE_FAULT` asks for."""
+    """The failure `KVPRUNE_FAULT` asks for."""
 
 
 def _injection() -> tuple[str, re.Pattern] | None:
-    spec = os.environ.get(FAULT_ENV)
+    spec = envs.get("FAULT")
     if not spec:
         return None
     phase, _, pattern = spec.partition(":")
@@ -54,7 +55,7 @@ def _injection() -> tuple[str, re.Pattern] | None:
 
 
 def inject(phase: str, request_id: str) -> None:
-    """Raise `InjectedFault` where `VLLM_KVPRUNE_FAULT` names this phase and request."""
+    """Raise `InjectedFault` where `KVPRUNE_FAULT` names this phase and request."""
     injection = _injection()
     if injection is not None and injection[0] == phase and injection[1].search(request_id):
         raise InjectedFault(f"fault injected by {FAULT_ENV} in {phase}")

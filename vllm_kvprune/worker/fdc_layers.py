@@ -61,7 +61,7 @@ class FdcLayers:
                           for heads in every_rank) / granule) * granule
             for index in range(calibration.num_layers)]
         # The four projections around attention (`worker/fdc_projections.py`): torch's einsums
-        # until `to()` picks what VLLM_KVPRUNE_FDC_PROJECTIONS asks for on the cache's device.
+        # until `to()` picks what KVPRUNE_FDC_PROJECTIONS asks for on the cache's device.
         self.projections: FdcProjections = EinsumProjections(self.layers)
 
     @staticmethod
@@ -77,7 +77,7 @@ class FdcLayers:
 
     def to(self, device: torch.device | str) -> FdcLayers:
         """The rotations moved beside the cache (a GPU's), once at load, and the projections
-        VLLM_KVPRUNE_FDC_PROJECTIONS names (ValueError if they cannot run there); in place."""
+        KVPRUNE_FDC_PROJECTIONS names (ValueError if they cannot run there); in place."""
         self.layers = [FdcLayer(layer.heads, layer.qk_rotation.to(device), layer.v_rotation.to(device))
                        for layer in self.layers]
         self.projections = projections_for(self.layers, device)

@@ -1,6 +1,6 @@
 """FDC's four projections around the attention kernel: new keys and values into each head's
 reduced space, queries into their KV head's, and the attention's output back to the model's
-width. Three ways to run them, chosen by ``VLLM_KVPRUNE_FDC_PROJECTIONS``:
+width. Three ways to run them, chosen by ``KVPRUNE_FDC_PROJECTIONS``:
 
 * ``torch`` (the default): batched einsums over every head's rotation padded to the layer's
   widest rank, in fp32 (cuBLAS on a GPU, without TF32).
@@ -20,16 +20,16 @@ All return the same values (zero past each head's rank); the widths they return 
 from __future__ import annotations
 
 import math
-import os
 from typing import Protocol
 
 import torch
 
+from vllm_kvprune import envs
 from vllm_kvprune.config import KVConfigError
 from vllm_kvprune.kernels import grouped_gemm
 from vllm_kvprune.kernels.grouped_gemm import ALIGNMENT, GroupedGemm, Operand
 
-ENV_VARIABLE = "VLLM_KVPRUNE_FDC_PROJECTIONS"
+ENV_VARIABLE = envs.name("FDC_PROJECTIONS")
 KINDS = ("torch", "triton", "cutlass")
 
 
@@ -194,8 +194,8 @@ class GroupedProjections:
 
 
 def requested_kind() -> str:
-    """What ``VLLM_KVPRUNE_FDC_PROJECTIONS`` asks for (``torch`` when unset)."""
-    return os.environ.get(ENV_VARIABLE, "torch")
+    """What ``KVPRUNE_FDC_PROJECTIONS`` asks for (``torch`` when unset)."""
+    return envs.get("FDC_PROJECTIONS", "torch")
 
 
 def refusal(kind: str, platform: str | None = None) -> str | None:
@@ -219,7 +219,7 @@ def platform_of(device: torch.device | str) -> str:
 
 
 def projections_for(layers: list, device: torch.device | str, kind: str | None = None) -> FdcProjections:
-    """The projections ``VLLM_KVPRUNE_FDC_PROJECTIONS`` (or ``kind``) asks for, on ``device``; raises
+    """The projections ``KVPRUNE_FDC_PROJECTIONS`` (or ``kind``) asks for, on ``device``; raises
     KVConfigError (a ValueError) naming the variable for a kind that cannot run here (never falls back silently).
     The front end refuses the same with :func:`refusal` before the engine starts."""
     kind = kind or requested_kind()

@@ -2,31 +2,19 @@
 
 The worker reads every attention layer as vLLM built it (its impl's window, soft-cap, ALiBi,
 sinks, cache dtype, attention type, KV sharing, and the RoPE the layer applies) and decides
-once, before the KV cache exists:
-
-| feature                         | streaming          | paged_eviction     | h2o                | gvote              | fdc      |
-|---------------------------------|--------------------|--------------------|--------------------|--------------------|----------|
-| sliding-window layer            | left to vLLM       | left to vLLM       | left to vLLM       | left to vLLM       | refused  |
-| every layer sliding-window      | refused            | refused            | refused            | refused            | refused  |
-| logit soft-capping              | yes (vLLM kernel)  | yes (vLLM kernel)  | yes (our kernel)   | refused            | refused  |
-| attention sinks (learned)       | yes (vLLM kernel)  | yes (vLLM kernel)  | refused            | refused            | refused  |
-| ALiBi                           | refused            | refused            | refused            | refused            | refused  |
-| fp8 KV cache                    | refused            | refused            | refused            | refused            | refused  |
-| non-decoder attention, KV reuse | refused            | refused            | refused            | refused            | refused  |
-| a backend kernel variant we do not honour (FLASH_ATTN's FA4 head-size-256 kernel) | refused | refused | refused | refused | refused |
-| no fused QKV projection + RoPE  | yes                | yes                | yes                | refused            | yes      |
-| `positions: cache`              | the layer's own RoPE if plain (any style, partial, scaled), else refused | - | - |
+once, before the KV cache exists. What no policy runs with is refused here; what one policy
+cannot honour is that policy's `model_refusals` trait (`vllm_kvprune/policies/`), checked on
+the layers it prunes (every layer under FDC's narrow heads, whose format's refusals join
+the policy's); the remedy names the policies that do honour it. The table in docs/MODELS.md
+is rendered from the same traits (`tools/policy_docs.py`, tested).
 
 Why: the policies reorder a request's slots (EQUIP), so everything vLLM's kernel derives
 from a key's slot index is wrong after an eviction: a sliding window (physical distance) and
 ALiBi (physical distance) are; soft-capping and learned sinks are not (per logit, per head),
-and vLLM's kernel applies them. `gvote`'s vote computes logits itself (no soft-cap yet),
-its head-page attention hands the kernel one KV head's query group per sequence (a model's
-per-query-head sinks would not follow), and its synthetic queries need the layer's fused
-QKV projection and rotary embedding. `h2o`'s decode attention runs in our mass kernel, which
-implements soft-capping but not sinks. Our slot kernels move K/V in the model dtype, not fp8
-with scales. Sliding-window layers of a hybrid model (Gemma 2/3) keep vLLM's own cache and
-manager: the policy prunes the full-attention layers, which is where the memory goes.
+and vLLM's kernel applies them, unless a policy computes logits itself. Our slot kernels move
+K/V in the model dtype, not fp8 with scales. Sliding-window layers of a hybrid model (Gemma
+2/3) keep vLLM's own cache and manager: the policy prunes the full-attention layers, which is
+where the memory goes.
 """
 
 from __future__ import annotations
@@ -35,6 +23,12 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from vllm_kvprune.config import KVPolicyConfig
+from vllm_kvprune.policies import REGISTRY
+from vllm_kvprune.policies.fdc import FORMAT_REFUSALS
+
+# A model feature a policy may refuse (its `model_refusals` keys) -> how the refusal names it.
+FEATURES = {"sliding_window": "sliding-window attention", "softcap": "logit soft-capping",
+            "sinks": "attention sinks"}
 
 
 def _window_tokens(window: Any) -> int | None:
@@ -86,6 +80,17 @@ class LayerFeatures:
         """Whether the policy prunes this layer (sliding-window layers stay vLLM's)."""
         return self.sliding_window is None
 
+    def has(self, feature: str) -> bool:
+        """Whether this layer has one of `FEATURES`."""
+        if feature == "sliding_window":
+            return self.sliding_window is not None
+        return bool(getattr(self, feature))
+
+
+def honouring(feature: str) -> list[str]:
+    """The policies that serve a model with `feature` on the layers they prune."""
+    return [name for name, policy in REGISTRY.items() if name != "none" and feature not in policy.model_refusals]
+
 
 def refusal(config: KVPolicyConfig, layers: list[LayerFeatures],
             rope_ok: Callable[[str], str | None] | None = None) -> str | None:
@@ -101,6 +106,9 @@ def refusal(config: KVPolicyConfig, layers: list[LayerFeatures],
     def refused(feature: str, layer: LayerFeatures, remedy: str = "") -> str:
         return f"{policy}: {feature} ({layer.name}) is not supported" + (f"; {remedy}" if remedy else "")
 
+    refusals = dict(config.policy.model_refusals)
+    if config.narrow_heads:
+        refusals.update(FORMAT_REFUSALS)
     for layer in layers:
         if layer.kernel_refusal is not None:
             return refused(layer.kernel_refusal, layer, "use --attention-backend TRITON_ATTN")
@@ -112,18 +120,15 @@ def refusal(config: KVPolicyConfig, layers: list[LayerFeatures],
             return refused(f"KV cache dtype {layer.kv_cache_dtype}", layer, "use --kv-cache-dtype auto")
         if layer.alibi:
             return refused("ALiBi", layer, "its biases follow slot order, which eviction changes")
-        if layer.sinks and policy in ("h2o", "gvote"):
-            return refused("attention sinks", layer, "use streaming or paged_eviction")
-        if layer.softcap and policy == "gvote" and layer.pruned:
-            return refused("logit soft-capping", layer, "use streaming, h2o or paged_eviction")
-        if config.narrow_heads:
-            # FDC's kernel: plain causal softmax attention in the reduced space.
-            if layer.sliding_window is not None:
-                return refused("sliding-window attention", layer, "FDC's kernel has no window")
-            if layer.softcap:
-                return refused("logit soft-capping", layer, "FDC's kernel does not cap logits")
-            if layer.sinks:
-                return refused("attention sinks", layer, "FDC's kernel has none")
+        # The policy's layers: those it prunes; under FDC's narrow heads, every layer.
+        if not (layer.pruned or config.narrow_heads):
+            continue
+        for feature, why in refusals.items():
+            if not layer.has(feature):
+                continue
+            if config.narrow_heads and feature in FORMAT_REFUSALS:
+                return refused(FEATURES[feature], layer, why)  # FDC's kernel, whatever the policy
+            return refused(FEATURES[feature], layer, f"{why}; use {', '.join(honouring(feature))}")
     pruned = [layer for layer in layers if layer.pruned]
     if not pruned:
         return refused("sliding-window attention", layers[0],

@@ -37,9 +37,9 @@ class KVPruneFlashImpl(DevicePolicyImpl, FlashAttentionImpl):
         """What this layer's FA kernel would run that the policies do not honour (None: nothing)."""
         return "FlashAttention 4's head-size-256 kernel" if self.fa4_hd256 else None
 
-    def _page_metadata(self, attn_metadata, pages, layer_index: int):
+    def page_metadata(self, attn_metadata, pages, layer_index: int):
         # The step's FA3 schedule is for its rows; the head-page sequences are scheduled by FA.
-        return dataclasses.replace(super()._page_metadata(attn_metadata, pages, layer_index), scheduler_metadata=None)
+        return dataclasses.replace(super().page_metadata(attn_metadata, pages, layer_index), scheduler_metadata=None)
 
 
 class KVPruneFlashBackend(DevicePolicyBackend, FlashAttentionBackend):

@@ -15,22 +15,20 @@ front of vLLM's classes and adds only the metadata its own kernel reads for head
   policy the builder reports vLLM's own support, unchanged;
 - layout: gvote's head-pages need each block's KV heads outermost (`[num_blocks * H, 1,
   block_size, 2D]` must be a view) and fdc's packed rows view each block as one row, so
-  under either the backend asks vLLM for the HND layout (`LBHNC`); vLLM's GPU kernels read
-  strides.
+  under either the worker asks vLLM for the HND layout (`LBHNC`, `KVPruneWorkerMixin`);
+  vLLM's GPU kernels read strides.
 """
 
 from __future__ import annotations
 
 import torch
 
-from vllm_kvprune import vllm_hooks
 from vllm_kvprune.config import policy_from_vllm_config
 from vllm_kvprune.engine.spec import KVPruneSpec
 from vllm_kvprune.vllm_hooks import AttentionCGSupport
-from vllm_kvprune.worker import runtime
 from vllm_kvprune.worker.kernel_sets import TritonKernels
+from vllm_kvprune.worker.layouts import StepPlan
 from vllm_kvprune.worker.policy_attention import PlannedMetadataBuilder, PolicyAttentionImpl, PolicyBackend
-from vllm_kvprune.worker.state import StepPlan
 
 
 class DeviceMetadataBuilder(PlannedMetadataBuilder):
@@ -58,7 +56,7 @@ class DeviceMetadataBuilder(PlannedMetadataBuilder):
         lengths.copy_(plan.seq_lens, non_blocking=True)
         return lengths
 
-    def _schedule_pages(self, pages) -> None:
+    def schedule_pages(self, pages) -> None:
         """vLLM's GPU kernels need no schedule of their own for the head-page sequences."""
 
 
@@ -69,18 +67,8 @@ class DevicePolicyImpl(PolicyAttentionImpl):
 
 
 class DevicePolicyBackend(PolicyBackend):
-    """Mixin before a GPU backend: the policies' builder, impl and spec, and the layout."""
-
-    @classmethod
-    def supported_kv_cache_layouts(cls):
-        """HND (`LBHNC`) under a head-page policy, whose view needs a block's heads outermost,
-        and under FDC, whose packed rows view each block as one row (`fdc_layers.blocks_of`);
-        otherwise vLLM's choice. Asked in the worker once the model is loaded."""
-        worker_state = runtime.worker_state()
-        if worker_state is not None and worker_state.engine_config.active and (
-                worker_state.engine_config.narrow_heads or worker_state.policy.granularity == "headpage"):
-            return (vllm_hooks.KVCacheLayout.LBHNC,)
-        return super().supported_kv_cache_layouts()
+    """Mixin before a GPU backend: the policies' builder and impl. The HND layout head-pages
+    and FDC need is asked for by the worker (`KVPruneWorkerMixin.get_supported_kv_cache_layouts`)."""
 
 
 __all__ = ["DeviceMetadataBuilder", "DevicePolicyBackend", "DevicePolicyImpl"]

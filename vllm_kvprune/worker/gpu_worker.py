@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from vllm_kvprune import plugin
 from vllm_kvprune.vllm_hooks import GPUModelRunner, Worker
+from vllm_kvprune.worker.worker_mixin import KVPruneWorkerMixin
 from vllm_kvprune.worker.model_runner import KVPruneRunnerMixin
 
 
@@ -17,15 +18,9 @@ class KVPruneGPUModelRunner(KVPruneRunnerMixin, GPUModelRunner):
     """vLLM's V1 GPU runner with the policies' hooks."""
 
 
-class KVPruneGPUWorker(Worker):
+class KVPruneGPUWorker(KVPruneWorkerMixin, Worker):
     def _make_model_runner(self) -> KVPruneGPUModelRunner:
         plugin.require_installed("the worker")
         if self.use_v2_model_runner:
             raise ValueError("kv_policy runs on vLLM's V1 GPU model runner; unset VLLM_USE_V2_MODEL_RUNNER")
         return KVPruneGPUModelRunner(self.vllm_config, self.device)
-
-    def kvprune_ended_choices(self) -> dict:
-        """`LLM.collective_rpc("kvprune_ended_choices")` (debug mode), as on the CPU worker."""
-        from vllm_kvprune.worker import runtime
-
-        return runtime.ended_choices()

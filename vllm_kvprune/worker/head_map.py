@@ -45,6 +45,14 @@ class HeadSlotMap:
         """Tokens held (mean and max over heads and layers: every head holds the same count)."""
         return float(self.num_valid), self.num_valid
 
+    def kept_choices(self) -> tuple[str, list]:
+        """The positions kept, sorted, per layer and (this rank's) KV head."""
+        return "heads", np.sort(self.logical, axis=2).tolist()
+
+    def local_slots(self) -> np.ndarray:
+        """The request's local slots this map holds, in every head (debug checks)."""
+        return np.arange(self.num_valid)
+
     def blocks_spanned(self, block_size: int) -> int:
         """Leading local blocks of the request's row its slots live in (debug checks)."""
         return -(-self.num_valid // block_size)

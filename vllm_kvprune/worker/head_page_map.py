@@ -48,6 +48,10 @@ class HeadPageMap:
         self._voted: np.ndarray | None = None  # [L] layers whose vote has been applied
         self.row_seen = 0  # blocks in the request's row when its prompt's last step was planned
         self.row_holes: tuple[int, int] | None = None  # row positions given back after the vote
+        # While the prompt is prefilled: the statistics of each layer's query-projection input
+        # the vote samples from (sum and sum of squares per channel, float64, `[layers,
+        # hidden]`, and the token count per layer); dropped once every layer has voted.
+        self.hidden_sum = self.hidden_sumsq = self.hidden_count = None
 
     @property
     def is_paged(self) -> bool:
@@ -65,6 +69,10 @@ class HeadPageMap:
         if self.lengths is None:
             return -(-self.num_uniform // block_size)
         return -(-int(self.used.max()) // self.num_heads)
+
+    def local_slots(self) -> np.ndarray:
+        """The request's local slots in the blocks its head-pages live in (debug checks)."""
+        return np.arange(self.blocks_spanned(self.block_size) * self.block_size)
 
     # ---- the block-table row -------------------------------------------------------------
     def live_row(self, block_row: np.ndarray) -> np.ndarray:
@@ -200,9 +208,16 @@ class HeadPageMap:
         """Positions held by (layer, head), in the order they are stored."""
         return self.positions[layer, head, : self.lengths[layer, head]].copy()
 
+    def kept_choices(self) -> tuple[str, list]:
+        """The positions kept, sorted, per layer and (this rank's) KV head ("slots" while uniform)."""
+        if self.lengths is None:
+            return "slots", list(range(self.num_uniform))
+        return "pages", [[sorted(self.kept_positions(layer, head).tolist()) for head in range(self.num_heads)]
+                         for layer in range(self.num_layers)]
+
     @property
     def nbytes(self) -> int:
-        held = (self.lengths, self.pages, self.used, self.positions)
+        held = (self.lengths, self.pages, self.used, self.positions, self.hidden_sum, self.hidden_sumsq)
         return sum(part.nbytes for part in held if part is not None)
 
     def check(self) -> None:

@@ -12,11 +12,12 @@ import logging
 from vllm_kvprune import metrics, vllm_hooks
 from vllm_kvprune.config import policy_from_vllm_config
 from vllm_kvprune.engine.spec import FdcSpec, KVPruneSpec, PrunedFdcSpec
-from vllm_kvprune.vllm_hooks import CPUModelRunner, SlidingWindowSpec
-from vllm_kvprune.worker import runtime, tensor_parallel
+from vllm_kvprune.vllm_hooks import CPUModelRunner, FullAttentionSpec, SlidingWindowSpec
+from vllm_kvprune.worker import tensor_parallel
 from vllm_kvprune.worker.features import LayerFeatures, UnsupportedModelError, refusal
+from vllm_kvprune.worker.layouts.head_pages import PagedLayers
 from vllm_kvprune.worker.positions import sink_rotation
-from vllm_kvprune.worker.state import PagedLayers, StepRows, WorkerKVState
+from vllm_kvprune.worker.state import StepRows, WorkerKVState
 from vllm_kvprune.worker.voting import LayerVoter, gather_hidden
 
 logger = logging.getLogger("vllm_kvprune")
@@ -30,7 +31,7 @@ class KVPruneRunnerMixin:
         super().__init__(vllm_config, device)
         self.kv_state = WorkerKVState(policy_from_vllm_config(vllm_config))
         self.kv_state.footprint_lookahead = int(bool(vllm_hooks.async_scheduling(vllm_config)))
-        runtime.install(self.kv_state)
+        self.kv_state.reduce = vllm_hooks.tp_all_reduce
         # The KV-cache group whose layers the policy prunes (its block table is the one planned).
         self.policy_group: int | None = None
 
@@ -69,19 +70,27 @@ class KVPruneRunnerMixin:
                     fdc.calibration.settings.get("rate"), 100 * fdc.kv_fraction())
 
     def get_kv_cache_spec(self):
-        """vLLM's per-layer specs; under FDC each layer's head size narrowed to its own packed
-        width (the backend's spec has the widest), so the pool follows the mean width."""
+        """vLLM's per-layer specs, the policy's layers' replaced by the policy's: the capped
+        `KVPruneSpec`, or under FDC its narrowed spec (`FdcSpec` alone, `PrunedFdcSpec` under an
+        eviction policy's cap) with each layer's head size at its own packed width, so the
+        pool follows the mean width. Only full attention is the policy's; any other spec (a
+        sliding window) stays vLLM's."""
         specs = super().get_kv_cache_spec()
-        fdc = self.kv_state.fdc
-        if fdc is None:
+        config, fdc = self.kv_state.engine_config, self.kv_state.fdc
+        if not config.active:
             return specs
-        narrowed = {}
+        replaced = {}
         for name, spec in specs.items():
-            if isinstance(spec, (FdcSpec, PrunedFdcSpec)):
-                size = fdc.layer_head_size(vllm_hooks.layer_index(name))
-                spec = dataclasses.replace(spec, head_size=size, head_size_v=size)
-            narrowed[name] = spec
-        return narrowed
+            if type(spec) is FullAttentionSpec:
+                fields = {field.name: getattr(spec, field.name) for field in dataclasses.fields(spec)}
+                if fdc is None:
+                    spec = KVPruneSpec(**fields)
+                else:
+                    size = fdc.layer_head_size(vllm_hooks.layer_index(name))
+                    spec_cls = FdcSpec if config.policy.layout == "full" else PrunedFdcSpec
+                    spec = spec_cls(**{**fields, "head_size": size, "head_size_v": size})
+            replaced[name] = spec
+        return replaced
 
     def _check_attention_features(self) -> None:
         """Refuse, in one line, a model whose attention the policy cannot honour; keep each
@@ -97,29 +106,21 @@ class KVPruneRunnerMixin:
             return why
 
         problem = refusal(config, layers, rope_ok)
-        if problem is None and config.name == "gvote":
-            problem = self._voting_problem([layer.name for layer in layers if layer.pruned])
+        if problem is None:
+            problem = config.policy.check_model(self.model, [layer.name for layer in layers if layer.pruned])
         if problem is not None:
             raise UnsupportedModelError(problem)
         self.kv_state.sink_rotations = rotations
-
-    def _voting_problem(self, layer_names: list[str]) -> str | None:
-        """GVote projects synthetic hidden states with the layer's own QKV projection and RoPE."""
-        for layer_name in layer_names:
-            owner = self.model.get_submodule(layer_name.rsplit(".", 1)[0])
-            if not hasattr(owner, "qkv_proj"):
-                return f"gvote: attention without a fused QKV projection ({layer_name}) is not supported"
-            if vllm_hooks.rope_rotation(getattr(owner, "rotary_emb", None)) is None:
-                return f"gvote: attention without a plain rotary embedding ({layer_name}) is not supported"
-        return None
 
     def initialize_kv_cache(self, kv_cache_config, *args, **kwargs) -> None:
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
         if self.kv_state.policy is None:
             return
         name = self.kv_state.engine_config.name
-        if name == "fdc":
+        if self.kv_state.policy.layout == "full":
             self._check_fdc_groups(kv_cache_config)
+            for index in range(len(kv_cache_config.kv_cache_groups)):
+                self._bind_builders(index)
             return
         specs = [vllm_hooks.group_spec(group) for group in kv_cache_config.kv_cache_groups]
         groups = [index for index, spec in enumerate(specs) if isinstance(spec, KVPruneSpec)]
@@ -144,8 +145,14 @@ class KVPruneRunnerMixin:
         spec = specs[self.policy_group]
         self.kv_state.bind_cache(list(group.layer_names), kv_cache_config.num_blocks, spec.block_size,
                                  self.model_config.get_total_num_kv_heads(), spec.num_kv_heads, self.device)
-        if isinstance(self.kv_state.scores, PagedLayers):
-            self._attach_voters(self.kv_state.scores)
+        self._bind_builders(self.policy_group)
+        if isinstance(self.kv_state.tables, PagedLayers):
+            self._attach_voters(self.kv_state.tables)
+
+    def _bind_builders(self, group: int) -> None:
+        """The metadata builders of the policy's KV-cache group plan with this runner's state."""
+        for builder in vllm_hooks.metadata_builders(self, group):
+            builder.bind_worker(self.kv_state)
 
     @staticmethod
     def _check_fdc_groups(kv_cache_config) -> None:
@@ -168,7 +175,7 @@ class KVPruneRunnerMixin:
                                                          impl.scale, paged_layers)
 
             def hook(module, args, layer_index=layer_index, layer_name=layer_name):
-                gather_hidden(paged_layers, layer_index, layer_name, args[0])
+                gather_hidden(self.kv_state, layer_index, layer_name, args[0])
 
             owner.qkv_proj.register_forward_pre_hook(hook)
 

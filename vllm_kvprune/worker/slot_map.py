@@ -24,6 +24,10 @@ class SlotMap:
 
     def __init__(self) -> None:
         self.logical = np.empty(0, np.int64)
+        # `positions: cache`: layer name -> the sink tokens' original post-RoPE (K, V), and the
+        # position shift the sink slots hold now (tokens evicted when they were last rotated).
+        self.sink_kv: dict[str, tuple] = {}
+        self.sink_shift = 0
 
     @property
     def num_valid(self) -> int:
@@ -32,6 +36,19 @@ class SlotMap:
     def kept_tokens(self) -> tuple[float, int]:
         """Tokens held (mean and max over heads and layers: every one holds the same)."""
         return float(self.num_valid), self.num_valid
+
+    def kept_choices(self) -> tuple[str, list]:
+        """The positions kept, sorted: one list for every layer and head."""
+        return "slots", sorted(self.logical.tolist())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this map holds (its positions and the sink tokens' K/V)."""
+        return self.logical.nbytes + sum(k.nbytes + v.nbytes for k, v in self.sink_kv.values())
+
+    def local_slots(self) -> np.ndarray:
+        """The request's local slots this map holds (debug checks)."""
+        return np.arange(self.num_valid)
 
     def blocks_spanned(self, block_size: int) -> int:
         """Leading local blocks of the request's row its slots live in (debug checks)."""

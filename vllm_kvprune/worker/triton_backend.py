@@ -6,7 +6,7 @@ attention, the HND layout for head-pages and FDC). What is TRITON_ATTN's own: he
 attend each (request, KV head) as its own sequence through vLLM's 2D unified-attention
 kernel (the 3D one's scratch is sized for the model's rows, not H times as many).
 
-Which policies run here: `plugin.GPU_POLICIES`. Their score tables (h2o's attention mass,
+Which policies run here: those whose `gpu` trait is set (`vllm_kvprune/policies/`). Their score tables (h2o's attention mass,
 paged_eviction's token scores) live beside the cache on the device and are written there
 in every layer; the victims are chosen when the step is planned (h2o's on the device for
 the whole step, one copy back: `kernels/victims.py`). fdc's packed narrow rows are written and read by torch
@@ -28,9 +28,9 @@ class KVPruneTritonMetadataBuilder(DeviceMetadataBuilder, TritonAttentionMetadat
 class KVPruneTritonImpl(DevicePolicyImpl, TritonAttentionImpl):
     """Executes the step plan in one layer around vLLM's Triton kernels, with ours."""
 
-    def _page_metadata(self, attn_metadata, pages, layer_index: int):
+    def page_metadata(self, attn_metadata, pages, layer_index: int):
         # vLLM's 2D kernel: the 3D (split-keys) one's scratch is sized for the model's rows.
-        return dataclasses.replace(super()._page_metadata(attn_metadata, pages, layer_index), seq_threshold_3D=None)
+        return dataclasses.replace(super().page_metadata(attn_metadata, pages, layer_index), seq_threshold_3D=None)
 
 
 class KVPruneTritonBackend(DevicePolicyBackend, TritonAttentionBackend):

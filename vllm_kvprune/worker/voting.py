@@ -14,7 +14,6 @@ import torch
 from vllm_kvprune import vllm_hooks
 from vllm_kvprune.config import KVPolicyConfig
 from vllm_kvprune.policies.gvote import GVotePolicy
-from vllm_kvprune.worker import runtime
 
 
 @dataclass
@@ -64,9 +63,11 @@ class LayerVoter:
         return policy.keep_mask(synthetic, keys, budgets, self.scale).cpu().numpy()
 
 
-def gather_hidden(paged_layers, layer_index: int, layer_name: str, hidden: torch.Tensor) -> None:
+def gather_hidden(worker, layer_index: int, layer_name: str, hidden: torch.Tensor) -> None:
     """Pre-hook body on a layer's query projection: add this step's prompt tokens to each
-    request's statistics (`HiddenRows` of the step's plan)."""
+    request's statistics (`HiddenRows` of the step's plan), in the head-page map the vote
+    reads them from; `worker` is the runner's `WorkerKVState`."""
+    paged_layers = worker.tables
     if not paged_layers.gathering:
         return
     metadata = vllm_hooks.layer_metadata(layer_name)
@@ -75,18 +76,18 @@ def gather_hidden(paged_layers, layer_index: int, layer_name: str, hidden: torch
         return
     started = time.perf_counter()
     for rows in plan.hidden_rows:
-        state = rows.state
-        if state.hidden_sum is None:
+        pages = rows.state.map
+        if pages.hidden_sum is None:
             shape = (paged_layers.num_layers, hidden.shape[-1])
             # Sums beside the hidden states (a GPU's), the count on the host (read by the vote).
-            state.hidden_sum = torch.zeros(shape, dtype=torch.float64, device=hidden.device)
-            state.hidden_sumsq = torch.zeros(shape, dtype=torch.float64, device=hidden.device)
-            state.hidden_count = torch.zeros(paged_layers.num_layers, dtype=torch.int64)
+            pages.hidden_sum = torch.zeros(shape, dtype=torch.float64, device=hidden.device)
+            pages.hidden_sumsq = torch.zeros(shape, dtype=torch.float64, device=hidden.device)
+            pages.hidden_count = torch.zeros(paged_layers.num_layers, dtype=torch.int64)
         part_sum, part_sumsq = _sums(hidden[rows.start: rows.stop])
-        state.hidden_sum[layer_index] += part_sum
-        state.hidden_sumsq[layer_index] += part_sumsq
-        state.hidden_count[layer_index] += rows.stop - rows.start
-    runtime.worker_state().score_seconds += time.perf_counter() - started  # part of the vote's cost
+        pages.hidden_sum[layer_index] += part_sum
+        pages.hidden_sumsq[layer_index] += part_sumsq
+        pages.hidden_count[layer_index] += rows.stop - rows.start
+    worker.score_seconds += time.perf_counter() - started  # part of the vote's cost
 
 
 def _sums(part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
