@@ -16,6 +16,7 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
 import pytest  # noqa: E402
+import yaml  # noqa: E402
 
 # Before anything imports Triton: its interpreter must be on when `triton.language` is first
 # imported (its own library functions are decorated then), and vLLM imports it (see triton_setup).
@@ -69,6 +70,33 @@ def reference_model(tiny_model):
 
     torch.set_num_threads(2)
     return load_reference_model(tiny_model)
+
+
+# The conformance cases of every registered policy (tests/policy_cases.yaml: data; read by
+# test_policy_conformance.py, test_tensor_parallel.py and test_default_mode.py).
+POLICY_CASES = yaml.safe_load((Path(__file__).with_name("policy_cases.yaml")).read_text())
+
+
+def policy_settings(name: str, settings: dict, files: dict[str, str]) -> dict:
+    """A case's settings as an engine takes them, `$...` placeholders resolved from `files`."""
+    return {"name": name, **{key: files.get(value, value) if isinstance(value, str) else value
+                             for key, value in settings.items()}}
+
+
+@pytest.fixture(scope="session")
+def fdc_files(tiny_model, tmp_path_factory) -> dict[str, str]:
+    """The cases' FDC calibrations of the tiny model: `$calibration` (rate 0.1, heads of unequal
+    ranks) and `$full_ranks` (every dimension kept)."""
+    from vllm_kvprune.fdc import calibration
+
+    folder = tmp_path_factory.mktemp("fdc")
+    adaptive = calibration.calibrate(tiny_model, tokens=256, seq_len=128, seed=0, rate=0.1)
+    files = {}
+    for name, calibrated in (("$calibration", adaptive),
+                             ("$full_ranks", adaptive.with_uniform_ranks(adaptive.head_dim, adaptive.head_dim))):
+        files[name] = str(folder / f"{name[1:]}.safetensors")
+        calibrated.save(files[name])
+    return files
 
 
 @pytest.fixture(scope="session")

@@ -18,18 +18,14 @@ read the same cases.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
-import yaml
 
-from conftest import BLOCK_SIZE, engine, scheduler_of
+from conftest import BLOCK_SIZE, POLICY_CASES as CASES, engine, policy_settings as settings_of, scheduler_of
 from test_streaming_engine import all_blocks_free, assert_same_as, greedy, prompts, run_steps
 
 from vllm_kvprune.policies import REGISTRY
 
-CASES = yaml.safe_load((Path(__file__).with_name("policy_cases.yaml")).read_text())
 POLICIES = [name for name in REGISTRY if name != "none"]
 PROMPT_LENGTHS = (20, 150, 300)
 NUM_TOKENS = 200
@@ -39,25 +35,6 @@ MAX_MODEL_LEN = 1024  # a request the pool always fits, even one that keeps ever
 
 def test_every_registered_policy_has_cases():
     assert sorted(CASES) == sorted(POLICIES), "tests/policy_cases.yaml lists exactly the registered policies"
-
-
-@pytest.fixture(scope="session")
-def fdc_files(tiny_model, tmp_path_factory) -> dict[str, str]:
-    """`$calibration` (rate 0.1: heads of unequal ranks) and `$full_ranks` of the tiny model."""
-    from vllm_kvprune.fdc import calibration
-
-    folder = tmp_path_factory.mktemp("fdc")
-    files = {}
-    for name, rate in (("$calibration", 0.1), ("$full_ranks", 0.0)):
-        files[name] = str(folder / f"{name[1:]}.safetensors")
-        calibration.calibrate(tiny_model, tokens=256, seq_len=128, seed=0, rate=rate).save(files[name])
-    return files
-
-
-def settings_of(name: str, settings: dict, files: dict[str, str]) -> dict:
-    """A case's settings as an engine takes them (`$...` placeholders resolved)."""
-    return {"name": name, **{key: files.get(value, value) if isinstance(value, str) else value
-                             for key, value in settings.items()}}
 
 
 def reference_for(model, config, override: dict | None):

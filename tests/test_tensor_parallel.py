@@ -17,9 +17,10 @@ too, on the reports two ranks would send.
 from __future__ import annotations
 
 import pytest
-from conftest import engine
+from conftest import POLICY_CASES, engine, policy_settings
 
 from vllm_kvprune import vllm_hooks
+from vllm_kvprune.policies import REGISTRY
 from vllm_kvprune.worker import tensor_parallel
 
 pytestmark = pytest.mark.slow
@@ -27,24 +28,19 @@ pytestmark = pytest.mark.slow
 # A long prompt (evicted down to the budget while generating) and a short one (never full).
 PROMPTS = [list(range(5, 205)), list(range(300, 340))]
 NEW_TOKENS = 60
-POLICIES = {
-    "streaming": {"name": "streaming", "budget": 96, "sinks": 4},
-    "h2o": {"name": "h2o", "budget": 96, "sinks": 4},
-    "paged_eviction": {"name": "paged_eviction", "budget": 96},
-    "gvote": {"name": "gvote", "gvote_p": 0.2, "gvote_samples": 2},  # a narrow vote, so it evicts here
-    "fdc": {"name": "fdc"},
-}
-# The policies whose every rank must choose the same positions (not per head).
+# Every registered policy, at its conformance case's settings (tests/policy_cases.yaml: its
+# `tensor_parallel` entry where the engine's would evict nothing here, and `heavy` where the
+# check repeats another's mechanism and runs only with --heavy).
+POLICIES = [name for name in REGISTRY if name != "none"]
+# The choices every rank must make alike (not per head).
 SHARED_CHOICES = {"slots", "blocks"}
 
 
-@pytest.fixture(scope="module")
-def fdc_file(tiny_model, tmp_path_factory) -> str:
-    from vllm_kvprune.fdc import calibration as fdc
-
-    path = tmp_path_factory.mktemp("fdc") / "tiny.safetensors"
-    fdc.calibrate(tiny_model, tokens=256, seq_len=128, seed=0, rate=0.1).save(path)
-    return str(path)
+def tp_case(name: str) -> tuple[dict, bool]:
+    """(settings, heavy) of a policy's tensor-parallel check."""
+    case = POLICY_CASES[name]
+    tp = case.get("tensor_parallel") or {}
+    return tp.get("settings", case["engine"]), bool(tp.get("heavy"))
 
 
 def _run(model: str, policy: dict, tensor_parallel_size: int, monkeypatch) -> tuple[list, list[dict]]:
@@ -65,7 +61,7 @@ def _run(model: str, policy: dict, tensor_parallel_size: int, monkeypatch) -> tu
     # The request's KV statistics come back in its output (asked for with kv_report).
     report = outputs[0].kv_transfer_params["kvprune"]
     assert report["policy"] == policy["name"]
-    if policy["name"] != "fdc":  # fdc evicts nothing: vLLM's own manager holds its blocks
+    if REGISTRY[policy["name"]].layout != "full":  # nothing evicted: vLLM's own manager holds its blocks
         assert report["blocks_without_policy"] == -(-(len(PROMPTS[0]) + NEW_TOKENS - 1) // 32)
         assert report["blocks_held"] < report["blocks_without_policy"], report
         assert report["kept_tokens_max"] < len(PROMPTS[0]) + NEW_TOKENS, report
@@ -77,19 +73,16 @@ def _by_prompt(choices: dict) -> dict[int, tuple[str, list]]:
     return {int(request_id.split("-")[0]): choice for request_id, choice in choices.items()}
 
 
-# paged_eviction (scores added over the ranks), gvote (per head, footprints merged) and fdc
-# (rotations cut per rank) each check their own mechanism; streaming (positions) and h2o (per
-# head, like gvote) repeat one (--heavy).
-@pytest.mark.parametrize("name", [name if name in ("paged_eviction", "gvote", "fdc") else
-                                  pytest.param(name, marks=pytest.mark.heavy) for name in POLICIES])
-def test_two_ranks_match_one_process(name: str, tiny_model, fdc_file, monkeypatch) -> None:
-    policy = dict(POLICIES[name], **({"fdc": fdc_file} if name == "fdc" else {}))
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.heavy) if tp_case(name)[1] else name
+                                  for name in POLICIES])
+def test_two_ranks_match_one_process(name: str, tiny_model, fdc_files, monkeypatch) -> None:
+    policy = policy_settings(name, tp_case(name)[0], fdc_files)
     one_tokens, (one,) = _run(tiny_model, policy, 1, monkeypatch)
     two_tokens, ranks = _run(tiny_model, policy, 2, monkeypatch)
     assert [rank["world_size"] for rank in ranks] == [2, 2]
     assert two_tokens == one_tokens
-    if name == "fdc":
-        assert not one["choices"], "fdc keeps every token: no map to record"
+    if REGISTRY[name].layout == "full":
+        assert not one["choices"], f"{name} keeps every token: no map to record"
         return
     reference = _by_prompt(one["choices"])
     assert {0, 1} <= set(reference)
