@@ -1,4 +1,4 @@
-"""Entry point of `python -m vllm_kvprune.bench`."""
+"""Entry point of `python -m benchmarks`."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
 def register(subparsers: argparse._SubParsersAction, module_name: str) -> None:
     """Let the module add its subparser; modules that only describe their flags
     (`add_arguments(parser)`) get a subparser named after them."""
-    module = importlib.import_module(f"vllm_kvprune.bench.{module_name}")
+    module = importlib.import_module(f"benchmarks.{module_name}")
     if hasattr(module, "add_parser"):
         module.add_parser(subparsers)
         return
@@ -45,7 +45,7 @@ def register(subparsers: argparse._SubParsersAction, module_name: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m vllm_kvprune.bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")
     for module_name in SUBCOMMAND_MODULES:
         register(subparsers, module_name)

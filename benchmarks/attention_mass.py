@@ -1,4 +1,4 @@
-"""`python -m vllm_kvprune.bench attention-mass`: H2O's attention-mass kernel on its own.
+"""`python -m benchmarks attention-mass`: H2O's attention-mass kernel on its own.
 
 Times `kernels.attention_mass` (`csrc/cpu/attention_mass.cpp`) in the two ways the engine
 calls it: a prompt's mass (one request, every prompt token a causal query, mass only: the
@@ -24,7 +24,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from vllm_kvprune.bench import common
+from benchmarks import common
+from vllm_kvprune import machine
 
 DTYPES = ("float32", "bfloat16")
 
@@ -124,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
 
     from vllm_kvprune import kernels
 
-    torch.set_num_threads(args.threads or common.usable_cores())
+    torch.set_num_threads(args.threads or machine.usable_cores())
     results: list[dict[str, Any]] = []
     for dtype_name in DTYPES:
         for prefill in (True, False):

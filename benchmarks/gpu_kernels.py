@@ -1,4 +1,4 @@
-"""`python -m vllm_kvprune.bench gpu-kernels`: the Triton kernels of the GPU path against plain
+"""`python -m benchmarks gpu-kernels`: the Triton kernels of the GPU path against plain
 torch on one GPU, at decode shapes (batch 32), each case checked against torch before it is timed.
 
 * kv-update: EQUIP's in-place write of E new tokens per request into victim slots of vLLM's
@@ -21,7 +21,7 @@ torch on one GPU, at decode shapes (batch 32), each case checked against torch b
 
 Without a GPU the kernels run in Triton's interpreter (``--tiny`` shapes, ``TRITON_INTERPRET=1``):
 that checks this script, not speed, and the JSON says so. Nothing here imports vLLM, so it runs
-on a machine with PyTorch and Triton only: ``python -m vllm_kvprune.bench.gpu_kernels``.
+on a machine with PyTorch and Triton only: ``python -m benchmarks.gpu_kernels``.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from typing import Any, Callable
 
 import torch
 
-from vllm_kvprune.bench.gpu_kernels_fdc import case_fdc, case_fdc_layer, case_fdc_tiles
-from vllm_kvprune.bench.gpu_timing import FULL, TINY, Case, Shapes, bench_device, max_abs_error
+from benchmarks.gpu_kernels_fdc import case_fdc, case_fdc_layer, case_fdc_tiles
+from benchmarks.gpu_timing import FULL, TINY, Case, Shapes, bench_device, max_abs_error
 
 NAME = "gpu-kernels"
 # Written as results/gpu/kernels_<gpu>.json (kernels_h200.json; kernels_interpreter.json without a GPU).
@@ -54,7 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # ---- kv-update --------------------------------------------------------------------------------
 def case_kv_update(shapes: Shapes, dtype: torch.dtype, device: str, rows: list) -> None:
-    from vllm_kvprune.kernels.triton import cuda_ops, nhd_cache, slot_ops
+    from benchmarks import cuda_ops
+    from vllm_kvprune.kernels.triton import nhd_cache, slot_ops
 
     batch, heads, dim, cache_tokens, bs = shapes.batch, shapes.kv_heads, shapes.head_dim, shapes.seq_len, shapes.block_size
     sinks = 4
@@ -293,7 +294,7 @@ def gpu_slug(device: str) -> str:
     return (model.group(1) if model else re.sub(r"[^A-Za-z0-9]+", "_", name)).lower()
 
 
-def machine(device: str, module: str = "vllm_kvprune.bench.gpu_kernels", name: str = NAME) -> dict[str, Any]:
+def machine(device: str, module: str = "benchmarks.gpu_kernels", name: str = NAME) -> dict[str, Any]:
     import platform
 
     import triton
@@ -360,7 +361,7 @@ def _plot(rows: list[dict[str, Any]], path: Path, info: dict[str, Any]) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m vllm_kvprune.bench.gpu_kernels", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_kernels", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     return run(parser.parse_args())

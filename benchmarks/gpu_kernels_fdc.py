@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_kvprune.bench.gpu_timing import TINY, Case, Shapes, max_abs_error
+from benchmarks.gpu_timing import TINY, Case, Shapes, max_abs_error
 from vllm_kvprune.worker.fdc_projections import EinsumProjections
 
 

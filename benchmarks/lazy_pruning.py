@@ -1,4 +1,4 @@
-"""`python -m vllm_kvprune.bench lazy-pruning`: Lazy Pruning's tables (prune interval R) on our engine.
+"""`python -m benchmarks lazy-pruning`: Lazy Pruning's tables (prune interval R) on our engine.
 
 The paper (Pythia-2.8B on a GPU, HuggingFace cache) decodes PG19 under a cap of 2048 tokens
 with `streaming` (sinks + recent) and prunes only when the overflow reaches R: its TPOT falls
@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_kvprune.bench import common
+from benchmarks import common
 
 RESULT_STEM = "results/lazy_pruning"
 RECOMPUTE = "recompute"
@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
         common.print_child_result(measure(args, json.loads(args.child)))
         return 0
     started = time.time()
-    env = {**os.environ, **common.ENGINE_ENV, "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}
+    env = common.child_env({**os.environ, **common.ENGINE_ENV, "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"})
     settings = {key: getattr(args, key) for key in ("intervals", "budget", "sinks", "stream_tokens", "original_tokens",
                                                     "batches", "tpot_tokens", "repeats", "recompute_tokens",
                                                     "recompute_stride", "dtype")}
@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     for done, case in enumerate(all_cases, 1):
         label = " ".join(f"{key} {value}" for key, value in case.items())
         print(f"[lazy-pruning] {label} ...", flush=True)
-        command = [sys.executable, "-m", "vllm_kvprune.bench", "lazy-pruning", "--child", json.dumps(case),
+        command = [sys.executable, "-m", "benchmarks", "lazy-pruning", "--child", json.dumps(case),
                    *child_flags(args)]
         try:
             found += common.run_child(command, env, label)
@@ -185,9 +185,9 @@ def measure(args: argparse.Namespace, case: dict[str, Any]) -> list[dict[str, An
     """The rows of one case (`cases`), from one engine."""
     from vllm import LLM
 
-    from vllm_kvprune import assets
-    from vllm_kvprune.bench.accuracy.forced import ForcedTokens
-    from vllm_kvprune.bench.ttft import essay_tokens
+    from benchmarks.accuracy.forced import ForcedTokens
+    from benchmarks.ttft import essay_tokens
+    from tools import assets
 
     model = str(assets.tiny_model_dir() if args.tiny else assets.real_model_dir())
     kind, stream = case["kind"], args.stream_tokens
@@ -233,8 +233,8 @@ def forced_streams(llm: Any, tokens: list[int], intervals: list[int]) -> list[di
     from vllm import SamplingParams
     from tqdm import tqdm
 
-    from vllm_kvprune.bench.accuracy.forced import FORCED_KEY
-    from vllm_kvprune.bench.accuracy.ours import answer_of
+    from benchmarks.accuracy.forced import FORCED_KEY
+    from benchmarks.accuracy.ours import answer_of
 
     forced = tokens[1:]
     engine, kv_state = llm.llm_engine, common.model_runner(llm).kv_state
@@ -299,7 +299,7 @@ def decode_timing(llm: Any, tokens: list[int], batch: int, r: int, args: argpars
     (`kv_prune_interval`) decoding together for `tpot_tokens` steps (`decode_steps`: the mean
     step after the first, prune steps included: that is what R amortizes; the worker's move
     and planning time per step; the prune events of the first request)."""
-    from vllm_kvprune.bench.decode_steps import time_decode_steps
+    from benchmarks.decode_steps import time_decode_steps
 
     prompts = [tokens[i * args.budget:(i + 1) * args.budget] for i in range(batch)]
     return time_decode_steps(llm, prompts, args.tpot_tokens, {"kv_prune_interval": r}, name=f"tpot{batch}-R{r}")

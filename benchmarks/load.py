@@ -1,4 +1,4 @@
-"""`python -m vllm_kvprune.bench load`: a real `vllm-kvprune serve` per policy, under load and
+"""`python -m benchmarks load`: a real `vllm-kvprune serve` per policy, under load and
 bad input, then checked for leaks.
 
 Per policy: a server whose KV pool is small enough that the load forces preemption; one fixed
@@ -278,7 +278,7 @@ def fdc_calibration(model: str, args: argparse.Namespace, work: Path) -> Path:
 
 
 def run_policy(model: str, policy: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    from vllm_kvprune.bench.throughput import EngineSettings
+    from benchmarks.throughput import EngineSettings
 
     # The pool holds one request of the longest length (a budget-free policy may keep it all),
     # and little more: concurrent requests then preempt each other.
@@ -310,8 +310,8 @@ def run_policy(model: str, policy: str, args: argparse.Namespace, work: Path) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    from vllm_kvprune import assets
-    from vllm_kvprune.bench import common
+    from benchmarks import common
+    from tools import assets
 
     model = str(assets.tiny_model_dir() if args.tiny else assets.real_model_dir())
     records = []

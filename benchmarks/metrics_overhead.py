@@ -1,4 +1,4 @@
-"""`python -m vllm_kvprune.bench metrics-overhead`: what our metrics (or, with `--switch checks`,
+"""`python -m benchmarks metrics-overhead`: what our metrics (or, with `--switch checks`,
 the debug invariant checks of `VLLM_KVPRUNE_CHECK=1`) cost a serving engine.
 
 One in-process engine with a policy and vLLM's stats on (`disable_log_stats=False`); the same
@@ -104,7 +104,7 @@ def _switch(what: str, scheduler: Any, saved: Any, on: bool) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vllm_kvprune.bench import common
+    from benchmarks import common
 
     for name, value in common.ENGINE_ENV.items():
         os.environ.setdefault(name, value)
@@ -115,8 +115,8 @@ def run(args: argparse.Namespace) -> int:
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="kvprune-prometheus-")
     from vllm import LLM, SamplingParams
 
-    from vllm_kvprune import assets
-    from vllm_kvprune.bench.accuracy.task import essay_token_ids
+    from benchmarks.accuracy.task import essay_token_ids
+    from tools import assets
 
     model = str(assets.tiny_model_dir() if args.tiny else assets.real_model_dir())
     policy: dict[str, Any] = {"name": args.policy}

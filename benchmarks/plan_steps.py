@@ -47,10 +47,12 @@ def measure(policy: str, steps: int, kept: bool = False) -> list[float] | tuple[
     """Planning ms of each decode step (the prompt's step and the first 5 decode steps, which
     warm caches, left out); with `kept`, also the tokens each request holds at the end.
     It runs inside the tree being timed (`--against`), so it uses only what revisions older
-    than this file have: hence its own block table, as `gpu_steps.PolicySteps` builds one."""
+    than this file have: hence its own block table, as `gpu_steps.PolicySteps` builds one. The
+    shapes and settings are that tree's `benchmarks.gpu_steps`, or this tree's where it has none
+    (a revision from before the benchmarks left the package: `_child` puts this tree after it)."""
+    from benchmarks.gpu_steps import FULL as shapes
+    from benchmarks.gpu_steps import policy_settings
     from vllm_kvprune import vllm_hooks
-    from vllm_kvprune.bench.gpu_steps import FULL as shapes
-    from vllm_kvprune.bench.gpu_steps import policy_settings
     from vllm_kvprune.config import KVPolicyConfig
     from vllm_kvprune.worker import runtime
     from vllm_kvprune.worker.state import StepRows, WorkerKVState
@@ -103,10 +105,11 @@ def _prune_prompts_per_head(state, plan) -> None:
 
 def _tree_at(revision: str, workdir: str) -> Path:
     """A worktree of `revision` with this tree's built C++ extension beside its sources."""
+    from benchmarks import common  # here, not at the top: `measure` also runs on older packages
+
     tree = Path(workdir) / "tree"
     subprocess.run(["git", "worktree", "add", "--detach", str(tree), revision], check=True, capture_output=True)
-    here = Path(__file__).resolve().parents[1]
-    for built in here.glob("_C*.so"):
+    for built in (common.REPO_ROOT / "vllm_kvprune").glob("_C*.so"):
         (tree / "vllm_kvprune" / built.name).write_bytes(built.read_bytes())
     return tree
 
@@ -114,7 +117,9 @@ def _tree_at(revision: str, workdir: str) -> Path:
 def _child(tree: Path, policy: str, steps: int) -> list[float]:
     """`measure` (this file's, so a revision from before it can be timed) in a fresh process
     that imports `vllm_kvprune` from `tree`."""
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    from benchmarks import common
+
+    env = common.child_env({key: value for key, value in os.environ.items() if key != "PYTHONPATH"}, tree)
     code = (f"import json, runpy; measure = runpy.run_path({str(Path(__file__).resolve())!r})['measure']; "
             f"import vllm_kvprune; assert vllm_kvprune.__file__.startswith({str(tree)!r}), vllm_kvprune.__file__; "
             f"print(json.dumps(measure({policy!r}, {steps})))")
@@ -123,9 +128,10 @@ def _child(tree: Path, policy: str, steps: int) -> list[float]:
 
 
 def run(args: argparse.Namespace) -> int:
-    here = Path(__file__).resolve().parents[2]
+    from benchmarks import common
+
     with tempfile.TemporaryDirectory() as workdir:
-        trees = {"this tree": here}
+        trees = {"this tree": common.REPO_ROOT}
         if args.against:
             trees[args.against] = _tree_at(args.against, workdir)
         try:
@@ -168,14 +174,14 @@ def _write(rows: list[dict[str, Any]], args: argparse.Namespace, path: Path) -> 
 
     import matplotlib
 
-    from vllm_kvprune.bench.gpu_steps import FULL
+    from benchmarks.gpu_steps import FULL
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     machine = {"python": platform.python_version(), "cpu_count": os.cpu_count(), "head": head,
-               "command": ["python", "-m", "vllm_kvprune.bench", NAME, *_own_arguments()],
+               "command": ["python", "-m", "benchmarks", NAME, *_own_arguments()],
                "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     document = {"benchmark": NAME, "machine": machine, "against": args.against, "rounds": args.rounds,
                 "shapes": {"batch": FULL.batch, "layers": FULL.layers, "kv_heads": FULL.kv_heads,
@@ -196,9 +202,9 @@ def _write(rows: list[dict[str, Any]], args: argparse.Namespace, path: Path) -> 
 
 
 def main() -> int:
-    """`python3 -m vllm_kvprune.bench.plan_steps`: where vLLM (which the bench menu imports) is
+    """`python3 -m benchmarks.plan_steps`: where vLLM (which the bench menu imports) is
     missing, as on the GPU machine (`scripts/gpu_check.sh plan`)."""
-    parser = argparse.ArgumentParser(prog="python3 -m vllm_kvprune.bench.plan_steps", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python3 -m benchmarks.plan_steps", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     return run(parser.parse_args())

@@ -1,4 +1,4 @@
-"""`python -m vllm_kvprune.bench ray-batch`: the Ray batch job (`python -m vllm_kvprune.batch`)
+"""`python -m benchmarks ray-batch`: the Ray batch job (`python -m vllm_kvprune.batch`)
 with 1 and then 2 actors on the same prompts and policy, on a local Ray cluster: throughput
 (generated tokens over the busiest actor's generating time, and over the wall time with the
 engines' start-up) and each request's KV blocks held at the end against those it would hold
@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from vllm_kvprune.bench import common
+from vllm_kvprune import machine
 
 NAME = "ray-batch"
 
@@ -34,7 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import ray
 
-    from vllm_kvprune import assets, batch
+    from tools import assets
+    from vllm_kvprune import batch
 
     model = args.model or str(assets.tiny_model_dir())
     runs: list[dict[str, Any]] = []
@@ -58,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         summary["speedup_busy"] = summary["generated_tokens_per_busy_second"] / base["generated_tokens_per_busy_second"]
         summary["speedup_wall"] = summary["generated_tokens_per_second"] / base["generated_tokens_per_second"]
     document = {"benchmark": NAME, "model": model, "rows": args.rows, "prompt_tokens": args.prompt_tokens,
-                "max_tokens": args.max_tokens, "policy": args.policy, "machine": common.machine_info(), "runs": runs}
+                "max_tokens": args.max_tokens, "policy": args.policy, "machine": machine.machine_info(), "runs": runs}
     stem = Path(args.out)
     stem.parent.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps(document, indent=1))

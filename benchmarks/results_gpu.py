@@ -7,10 +7,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from vllm_kvprune.bench.results_sections import MISSING, load, markdown_table, plot_link, shown_command
+from benchmarks.results_sections import MISSING, load, markdown_table, plot_link, shown_command
 
 # ---- GPU kernels -----------------------------------------------------------------------------
-GPU_COMMAND = "PYTHONPATH=. python3 -m vllm_kvprune.bench.gpu_kernels"
+GPU_COMMAND = "PYTHONPATH=. python3 -m benchmarks.gpu_kernels"
 
 
 def gpu_section(path: Path, doc_dir: Path) -> str:
@@ -137,7 +137,7 @@ def plan_steps_section(path: Path, doc_dir: Path) -> str:
 # ---- Triton kernels compiled for GPUs, on a machine without one ----------------------------------
 def targets_section(path: Path, doc_dir: Path) -> str:
     """Per kernel and GPU target: the launches of the kernel tests compiled there, and the most
-    shared memory, registers and spills any of them took (`kernels.triton.targets`)."""
+    shared memory, registers and spills any of them took (`tools/triton_targets.py`)."""
     document = load(path)
     machine = document.get("machine", {})
     targets = document.get("targets", [])
@@ -164,7 +164,7 @@ def targets_section(path: Path, doc_dir: Path) -> str:
 
 def cutlass_targets_section(path: Path, doc_dir: Path) -> str:
     """Per GPU target: whether FDC's CUTLASS grouped projections compiled, and each of its two
-    kernels' registers and spills (`kernels.cutlass_check`)."""
+    kernels' registers and spills (`tools/cutlass_check.py`)."""
     document = load(path)
     machine = document.get("machine", {})
     shared = " and ".join(f"{value} B" for value in document.get("shared_bytes", {}).values()) or MISSING

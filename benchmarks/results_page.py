@@ -1,4 +1,4 @@
-"""`python -m vllm_kvprune.bench results`: runs the accuracy suite, then writes docs/RESULTS.md.
+"""`python -m benchmarks results`: runs the accuracy suite, then writes docs/RESULTS.md.
 
 The page is rendered only from the JSON files under `results/`: the accuracy files this
 command has just written, and the throughput and KV-update files of the speed benchmarks
@@ -14,11 +14,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_kvprune.bench import results_gpu
-from vllm_kvprune.bench import results_papers
-from vllm_kvprune.bench import results_sections as sections
-from vllm_kvprune.bench.accuracy import TASK_NAMES as ACCURACY_TASKS
-from vllm_kvprune.bench.accuracy import TASK_TYPES, memory, report
+from benchmarks import results_gpu
+from benchmarks import results_papers
+from benchmarks import results_sections as sections
+from benchmarks.accuracy import TASK_NAMES as ACCURACY_TASKS
+from benchmarks.accuracy import TASK_TYPES, memory, report
 
 NAME = "results"
 PAPERS_ABOUT = ("Each paper's headline figures as printed, next to ours where we have measured the same "
@@ -80,7 +80,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     if not args.render_only:
-        from vllm_kvprune.bench import __main__ as bench
+        from benchmarks import __main__ as bench
 
         accuracy_args = bench.build_parser().parse_args(["accuracy", "--out-dir", args.results_dir])
         accuracy_args.run(accuracy_args)
@@ -194,7 +194,7 @@ def render(results_dir: Path, page_path: Path) -> str:
     return page
 
 
-GENERATED = ("Written by `python -m vllm_kvprune.bench results` (`bash scripts/results.sh` on a fresh "
+GENERATED = ("Written by `python -m benchmarks results` (`bash scripts/results.sh` on a fresh "
              "machine), which runs the accuracy suite and renders this page; the suite behind these tables "
              "ran for {minutes:.0f} min on the machine described at the end. Every table below comes from a "
              "JSON file in `results/`; each section names the command that wrote it.")

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from vllm_kvprune.bench import results_sections as sections
-from vllm_kvprune.bench import throughput_report
+from benchmarks import results_sections as sections
+from benchmarks import throughput_report
 
 NOT_MEASURED = "not measured yet"
 Ours = Callable[[Path], "tuple[str, str] | None"]  # results dir -> (our value, our setting)
@@ -77,7 +77,7 @@ def lazy_pruning(what: str) -> Ours:
     its TPOT and perplexity halves run apart): `tpot` (R = 1 -> R = 64 at batch 1), `speedup`
     (R = 64 over the recompute baseline), `ppl` (R = 64 against R = 1)."""
     def read(results_dir: Path) -> tuple[str, str] | None:
-        from vllm_kvprune.bench import lazy_pruning as bench
+        from benchmarks import lazy_pruning as bench
 
         documents = [(path.name, sections.load(path)) for path in sorted(results_dir.glob("lazy_pruning*.json"))]
         rows = bench.merge([row for _, document in documents for row in document["results"]])
@@ -186,7 +186,7 @@ def papers_section(results_dir: Path) -> str:
 
 def ttft_section(path: Path, doc_dir: Path) -> str:
     """`bench ttft`: prefill time of every policy against `none` at each prompt length."""
-    from vllm_kvprune.bench import ttft
+    from benchmarks import ttft
 
     document = sections.load(path)
     settings = document.get("settings", {})
@@ -200,7 +200,7 @@ def ttft_section(path: Path, doc_dir: Path) -> str:
 
 def attention_mass_section(path: Path, doc_dir: Path) -> str:
     """`bench attention-mass`: H2O's mass kernel alone, for the extension build that ran it."""
-    from vllm_kvprune.bench import attention_mass
+    from benchmarks import attention_mass
 
     document = sections.load(path)
     settings = document.get("settings", {})
@@ -222,7 +222,7 @@ def attention_mass_section(path: Path, doc_dir: Path) -> str:
 
 def lazy_pruning_section(path: Path, doc_dir: Path) -> str:
     """`bench lazy-pruning`: every R (and the baselines) with TPOT, perplexity, prune events, moves."""
-    from vllm_kvprune.bench import lazy_pruning as bench
+    from benchmarks import lazy_pruning as bench
 
     document = sections.load(path)
     settings = document.get("settings", {})
@@ -245,7 +245,7 @@ def lazy_pruning_section(path: Path, doc_dir: Path) -> str:
 
 def tpot_section(path: Path, doc_dir: Path) -> str:
     """`bench tpot`: each policy's decode step at a long context, against `none`'s."""
-    from vllm_kvprune.bench import tpot
+    from benchmarks import tpot
 
     document = sections.load(path)
     settings = document.get("settings", {})

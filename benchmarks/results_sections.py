@@ -55,19 +55,39 @@ def lookup(document: Mapping[str, Any], *keys: str, default: Any = MISSING) -> A
     return value
 
 
+# The top-level packages of this repository whose modules a recorded command may have run.
+COMMAND_PACKAGES = ("vllm_kvprune", "benchmarks", "tools")
+# Modules that have moved since older results were recorded: old name -> the one to type now.
+MOVED_MODULES = {"vllm_kvprune.bench": "benchmarks",
+                 "vllm_kvprune.kernels.triton.targets": "tools.triton_targets",
+                 "vllm_kvprune.kernels.cutlass_check": "tools.cutlass_check"}
+
+
 def shown_command(command: Sequence[str] | None) -> str:
-    """The recorded argv as a reader would type it: `python -m vllm_kvprune.bench ...`.
+    """The recorded argv as a reader would type it: `python -m benchmarks ...`.
 
     The interpreter's path is this machine's venv, and `sys.argv[0]` of `python -m pkg` is the
-    path of `pkg/__main__.py`; both say nothing to a reader."""
+    path of `pkg/__main__.py`; both say nothing to a reader. A module recorded under a name it
+    has since left (`MOVED_MODULES`) is shown under the name that runs it now."""
     if not command:
         return MISSING
     args = list(command[1:])
     script = args[0].replace("\\", "/") if args else ""
-    if script.endswith(".py") and "vllm_kvprune/" in script:
-        module = "vllm_kvprune/" + script.rsplit("vllm_kvprune/", 1)[1].removesuffix(".py")
-        args[0:1] = ["-m", module.removesuffix("/__main__").replace("/", ".")]
+    parts = script.removesuffix(".py").split("/")
+    roots = [index for index, part in enumerate(parts) if part in COMMAND_PACKAGES]
+    if script.endswith(".py") and roots:
+        module = ".".join(parts[roots[-1]:]).removesuffix(".__main__")
+        args[0:1] = ["-m", _current_module(module)]
+    elif len(args) > 1 and args[0] == "-m":
+        args[1] = _current_module(args[1])
     return "python " + shlex.join(args)
+
+
+def _current_module(module: str) -> str:
+    for old, new in MOVED_MODULES.items():
+        if module == old or module.startswith(old + "."):
+            return new + module.removeprefix(old)
+    return module
 
 
 def plot_link(json_path: Path, doc_dir: Path) -> str | None:
@@ -97,7 +117,7 @@ def file_section(heading: str, document: Mapping[str, Any], setup: str, table: s
 # ---- kv-update ---------------------------------------------------------------------------
 def kv_update_rows(document: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The result rows with what `kv_update.table_rows` indexes filled in for older files."""
-    from vllm_kvprune.bench import kv_update
+    from benchmarks import kv_update
 
     # Files written before --policy existed timed StreamingLLM's update (Config's default).
     policy = lookup(document, "settings", "policy", default="streaming")
@@ -138,7 +158,7 @@ def kv_update_heading(document: Mapping[str, Any], rows: list[dict[str, Any]], p
 def kv_update_section(paths: Sequence[Path], doc_dir: Path) -> str:
     """One `###` subsection per kv_update*.json: heading (policy, threads, dtype), the command,
     the setup, the grid table exactly as `kv-update` prints it, its target check and its plot."""
-    from vllm_kvprune.bench import kv_update
+    from benchmarks import kv_update
 
     sections = []
     for path in paths:
@@ -158,7 +178,7 @@ OPTIONAL_THROUGHPUT_COLUMNS = ("plan share", "score share", "mean blocks/req", "
 
 def throughput_table(rows: list[dict[str, Any]]) -> str:
     """`throughput_report.table_cells`, without the optional columns no row of this file has."""
-    from vllm_kvprune.bench import throughput_report as throughput
+    from benchmarks import throughput_report as throughput
 
     headers, body = throughput.table_cells(rows)
     key_of = {header: key for header, key, _ in throughput.TABLE_COLUMNS}
@@ -176,7 +196,7 @@ def workload_text(workload: Any) -> str:
 
 
 def throughput_setup(document: Mapping[str, Any]) -> str:
-    from vllm_kvprune.bench import throughput_report
+    from benchmarks import throughput_report
 
     engine, settings = lookup(document, "settings", "engine", default={}), lookup(document, "settings", default={})
     model = Path(engine["model"]).name if engine.get("model") else MISSING
@@ -191,7 +211,7 @@ def throughput_setup(document: Mapping[str, Any]) -> str:
 
 def throughput_targets(summary: Mapping[str, Any]) -> list[str]:
     """The two target ratios the run recorded, worded as `throughput` prints them."""
-    from vllm_kvprune.bench import throughput_report as throughput
+    from benchmarks import throughput_report as throughput
 
     def shown(ratio: Any, target: Any) -> str:
         if ratio is None or target is None:
@@ -211,7 +231,7 @@ def throughput_section(paths: Sequence[Path], doc_dir: Path) -> str:
     """One `###` subsection per throughput*.json: heading (policies), the command, the setup,
     the table exactly as `throughput` prints it (tokens/s, ratio vs none, plan/score shares
     when recorded), the target ratios and the plot."""
-    from vllm_kvprune.bench import throughput_report as throughput
+    from benchmarks import throughput_report as throughput
 
     sections = []
     for path in paths:
@@ -229,7 +249,7 @@ def throughput_section(paths: Sequence[Path], doc_dir: Path) -> str:
 # ---- worker memory -------------------------------------------------------------------------
 def worker_memory_section(path: Path, doc_dir: Path) -> str:
     """Per-request worker state and RSS per policy, each run (before / after) side by side."""
-    from vllm_kvprune.bench import worker_memory
+    from benchmarks import worker_memory
 
     document = load(path)
     settings = document.get("settings", {})
@@ -253,7 +273,7 @@ def worker_memory_section(path: Path, doc_dir: Path) -> str:
 def gvote_section(path: Path, doc_dir: Path) -> str:
     """What `gvote` keeps and holds per prompt length, the vote's prefill share, and decode
     over head-pages vs vLLM's uniform layout."""
-    from vllm_kvprune.bench import gvote
+    from benchmarks import gvote
 
     document = load(path)
     settings = document.get("settings", {})
@@ -345,7 +365,7 @@ def fdc_section(folder: Path, doc_dir: Path) -> str:
     if attention.is_file():
         document = load(attention)
         settings = document.get("settings", {})
-        from vllm_kvprune.bench import fdc_attention
+        from benchmarks import fdc_attention
 
         headers, rows = fdc_attention.table(document.get("results", []))
         summary = document.get("summary", {})

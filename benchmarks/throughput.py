@@ -1,4 +1,4 @@
-"""`python -m vllm_kvprune.bench throughput`: output tokens/s of memory-bound serving.
+"""`python -m benchmarks throughput`: output tokens/s of memory-bound serving.
 
 Many requests with long generations share a KV pool too small for all of their full
 caches. `none` can keep only a few whole caches at once (vLLM admits more and then
@@ -50,11 +50,11 @@ from typing import Any, Sequence
 
 from tqdm import tqdm
 
-from vllm_kvprune.bench import common
+from benchmarks import common
 # What a case is and how one is measured live with the child that runs it.
-from vllm_kvprune.bench.throughput_case import BUDGET_FREE, KEEP_ALL, WITH_FDC, Case, EngineSettings, Workload
+from benchmarks.throughput_case import BUDGET_FREE, KEEP_ALL, WITH_FDC, Case, EngineSettings, Workload
 # The table, the plot, the ratios and the target lines (shared with the results page).
-from vllm_kvprune.bench.throughput_report import (
+from benchmarks.throughput_report import (
     MATCHED_POLICY, MEMORY_BOUND, OVERHEAD, plot_throughput, summary, table_cells, target_lines, with_ratios,
 )
 
@@ -161,7 +161,7 @@ def plan_cases(args: argparse.Namespace, engine: EngineSettings) -> tuple[Case, 
 
 
 def resolve_model(model: str) -> str:
-    from vllm_kvprune import assets
+    from tools import assets
 
     if model == "real":
         return str(assets.real_model_dir())
@@ -194,7 +194,7 @@ def child_env(verbose: bool, omp_wait_policy: str) -> dict[str, str]:
     env["OMP_WAIT_POLICY"] = omp_wait_policy
     if verbose:
         env["VLLM_LOGGING_LEVEL"] = os.environ.get("VLLM_LOGGING_LEVEL", "INFO")
-    return env
+    return common.child_env(env)
 
 
 def run_in_subprocess(engine: EngineSettings, case: Case, env: dict[str, str], verbose: bool, bar: tqdm) -> dict[str, Any]:
@@ -207,7 +207,7 @@ def run_in_subprocess(engine: EngineSettings, case: Case, env: dict[str, str], v
         spec = {"engine": dataclasses.asdict(engine), "case": dataclasses.asdict(case),
                 "progress": str(files["progress"])}
         files["spec.json"].write_text(json.dumps(spec))
-        command = [sys.executable, "-m", "vllm_kvprune.bench.throughput_case",
+        command = [sys.executable, "-m", "benchmarks.throughput_case",
                    str(files["spec.json"]), str(files["result.json"])]
         with files["child.log"].open("w") as log:
             output = None if verbose else log
@@ -352,7 +352,7 @@ def with_defaults(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m vllm_kvprune.bench throughput", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks throughput", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     return with_defaults(parser.parse_args(argv))
 

@@ -1,7 +1,7 @@
-"""One case of `python -m vllm_kvprune.bench throughput` (see there): what is measured, and the
+"""One case of `python -m benchmarks throughput` (see there): what is measured, and the
 child process that measures it, one engine in a fresh interpreter.
 
-    python -m vllm_kvprune.bench.throughput_case SPEC_JSON RESULT_JSON
+    python -m benchmarks.throughput_case SPEC_JSON RESULT_JSON
 
 The parent (`throughput.py`) plans the cases and writes each one's spec; this module builds the
 engine, warms it up, times the batches, samples the scheduler after every step and writes the
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from vllm_kvprune.bench import common
+from benchmarks import common
 
 BUDGET_FREE = ("gvote",)  # choose their own memory per request: one case each, no budget
 KEEP_ALL = ("fdc",)  # keep every token, each narrower (the pool's bytes hold more blocks): one case
@@ -170,7 +170,7 @@ def build_llm(engine: EngineSettings, case: Case):
 
 def essay_prompts(tokenizer, num_requests: int, prompt_tokens: int) -> list[list[int]]:
     """Consecutive, distinct windows of essay tokens, one per request."""
-    from vllm_kvprune import assets
+    from tools import assets
 
     needed = num_requests * prompt_tokens
     text = assets.essays_text()

@@ -1,12 +1,13 @@
-"""What `python -m vllm_kvprune.bench throughput` reports: each row's ratio to `none`, the
+"""What `python -m benchmarks throughput` reports: each row's ratio to `none`, the
 targets, the table and the plot. The results page renders its throughput sections with these
 same functions, so the page shows exactly what the bench printed."""
 
 from pathlib import Path
 from typing import Any
 
-from vllm_kvprune.bench import common
-from vllm_kvprune.bench.throughput_case import BUDGET_FREE, KEEP_ALL
+from benchmarks import common
+from benchmarks.throughput_case import BUDGET_FREE, KEEP_ALL
+from vllm_kvprune import machine
 
 MEMORY_BOUND = "memory-bound"
 MATCHED_POLICY = "h2o"  # also run at each budget-free policy's measured mean memory
@@ -174,5 +175,5 @@ def target_lines(totals: dict[str, Any], timing: dict[str, Any]) -> str:
         *(line for line in targets if not line.endswith("not measured")),
         *budget_free_lines(totals["budget_free"]),
         f"run {timing['run_s'] / 60:.1f} min; load average before {timing['load_before'][0]:.1f}, "
-        f"after {timing['load_after'][0]:.1f} on {common.usable_cores()} cores",
+        f"after {timing['load_after'][0]:.1f} on {machine.usable_cores()} cores",
     ])

@@ -1,4 +1,4 @@
-"""`python -m vllm_kvprune.bench tpot`: time per output token of each policy against `none`
+"""`python -m benchmarks tpot`: time per output token of each policy against `none`
 at a long context, in a pool that holds every request (PagedEviction's Fig. 3d).
 
 The paper (Llama 1B/3B/8B on a GPU, vLLM, budget 1024) reports PagedEviction's decode step
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_kvprune.bench import common
+from benchmarks import common
 
 POLICIES = ("none", "streaming", "paged_eviction", "h2o", "streaming-shift", "h2o-gather")
 # Baselines: a policy run with a benchmark switch of the engine's (`VLLM_KVPRUNE_SHIFT_APPEND=1`),
@@ -58,12 +58,12 @@ def run(args: argparse.Namespace) -> int:
         common.print_child_result(measure(args, args.child))
         return 0
     started = time.time()
-    env = {**os.environ, **common.ENGINE_ENV}
+    env = common.child_env({**os.environ, **common.ENGINE_ENV})
     rounds: dict[str, list[dict[str, Any]]] = {policy: [] for policy in args.policies}
     for round_index in range(args.repeats):
         for policy in args.policies:
             print(f"[tpot] round {round_index + 1}/{args.repeats}: {policy} ...", flush=True)
-            command = [sys.executable, "-m", "vllm_kvprune.bench", "tpot", "--child", policy, *child_flags(args)]
+            command = [sys.executable, "-m", "benchmarks", "tpot", "--child", policy, *child_flags(args)]
             switches = BASELINES[policy][1] if policy in BASELINES else {}
             try:
                 rounds[policy].append(common.run_child(command, {**env, **switches}, f"tpot {policy}"))
@@ -106,9 +106,9 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
 def measure(args: argparse.Namespace, policy: str) -> dict[str, Any]:
     from vllm import LLM
 
-    from vllm_kvprune import assets
-    from vllm_kvprune.bench.decode_steps import time_decode_steps
-    from vllm_kvprune.bench.ttft import essay_tokens
+    from benchmarks.decode_steps import time_decode_steps
+    from benchmarks.ttft import essay_tokens
+    from tools import assets
 
     model = str(assets.tiny_model_dir() if args.tiny else assets.real_model_dir())
     tokens = essay_tokens(model, args.tiny, args.prompt_tokens * args.batch)

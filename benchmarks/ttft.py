@@ -1,4 +1,4 @@
-"""`python -m vllm_kvprune.bench ttft`: time to first token of every policy against `none`.
+"""`python -m benchmarks ttft`: time to first token of every policy against `none`.
 
 One prompt at a time (batch 1), essay tokens, prompts of `--prompt-tokens` lengths; each request
 asks for one token, so its wall time is the prefill and one sampling step. Every policy runs in
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_kvprune.bench import common
+from benchmarks import common
 
 RESULT_STEM = "results/ttft"
 BUDGETED = ("streaming", "h2o", "paged_eviction")
@@ -66,9 +66,9 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     for policy in args.policies:
         print(f"[ttft] {policy} ...", flush=True)
-        command = [sys.executable, "-m", "vllm_kvprune.bench", "ttft", "--child", policy, *child_flags(args)]
+        command = [sys.executable, "-m", "benchmarks", "ttft", "--child", policy, *child_flags(args)]
         try:
-            rows += common.run_child(command, {**os.environ, **common.ENGINE_ENV}, f"the {policy} run")
+            rows += common.run_child(command, common.child_env({**os.environ, **common.ENGINE_ENV}), f"the {policy} run")
         except RuntimeError as error:
             raise SystemExit(f"ttft: {error}") from None
     add_ratios(rows)
@@ -93,7 +93,7 @@ def measure(args: argparse.Namespace, policy: str) -> list[dict[str, Any]]:
     """One engine for `policy`; per prompt length, the median wall time of a one-token request."""
     from vllm import LLM, SamplingParams
 
-    from vllm_kvprune import assets
+    from tools import assets
 
     model = str(assets.tiny_model_dir() if args.tiny else assets.real_model_dir())
     longest = max(args.prompt_tokens)
@@ -126,7 +126,7 @@ def essay_tokens(model: str, tiny: bool, count: int) -> list[int]:
         return [3 + i % 30000 for i in range(count)]
     from transformers import AutoTokenizer
 
-    from vllm_kvprune.bench.accuracy.task import essay_token_ids
+    from benchmarks.accuracy.task import essay_token_ids
 
     essay = essay_token_ids(AutoTokenizer.from_pretrained(model))
     return (essay * (count // len(essay) + 1))[:count]

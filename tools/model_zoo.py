@@ -12,9 +12,10 @@ Weights: the model class's own initialisation under a fixed seed (`initializer_r
 bias would hide a dropped qkv bias), learned sinks redrawn, an untied `lm_head` redrawn at
 a large scale (wide top-1/top-2 margins), and for tied-embedding models a few edits that
 keep them from repeating their last input token (listed per model). Each folder is cached
-under the assets home with a manifest, like the other assets (`vllm_kvprune/assets.py`).
+under the assets home with a manifest, like the other assets (`tools/assets.py`).
 
-Command line: ``python -m vllm_kvprune.model_zoo [NAME ...]`` builds them and prints paths.
+Command line, from the repository root: ``python -m tools.model_zoo [NAME ...]`` builds them and
+prints paths.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from vllm_kvprune import assets
+from tools import assets
 
 ZOO_RECIPE = 1
 SEED = 1234

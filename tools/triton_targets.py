@@ -6,11 +6,12 @@ precisions, tiles and layouts a backend refuses), nor what it costs there (share
 registers, spills). Compiling needs no GPU: Triton ships ptxas and the AMD code generator, and
 only a launch asks the driver. So, per target:
 
-1. the kernel tests run in the interpreter with `KVPRUNE_TRITON_TARGET` naming the target, so
-   the wrappers choose tiles and precisions as they would on that GPU (`device_limits`), and
-   with a recorder on (`KVPRUNE_RECORD_TRITON`, installed by tests/triton_setup.py) that writes
-   each distinct launch's arguments as types: a tensor is its dtype and 16-byte alignment (all
-   Triton specialises a pointer on), an integer its value;
+1. the kernel tests run in the interpreter with `KVPRUNE_TRITON_TARGET` naming the target and
+   `KVPRUNE_RECORD_TRITON` a file; tests/triton_setup.py hands both to `install_from_environment`,
+   which has the wrappers choose tiles and precisions as they would on that GPU
+   (`vllm_kvprune.kernels.triton.set_target_gpu`, read by `device_limits`) and turns on a
+   recorder that writes each distinct launch's arguments as types: a tensor is its dtype and
+   16-byte alignment (all Triton specialises a pointer on), an integer its value;
 2. a child process without the interpreter rebuilds each launch and compiles it with
    `JITFunction.warmup` under a stand-in driver that knows the target and nothing else.
 
@@ -19,7 +20,7 @@ gives one block (a real launch would raise OutOfResources). Registers and spills
 the binaries (Triton's cuobjdump; the AMD assembly's metadata). Nothing runs on a GPU here:
 this proves the kernels build for a GPU, not what they compute there or how fast.
 
-    python -m vllm_kvprune.kernels.triton.targets [--targets sm_90 gfx942 ...] [--out STEM]
+    python -m tools.triton_targets [--targets sm_90 gfx942 ...] [--out STEM]
 """
 
 from __future__ import annotations
@@ -38,7 +39,10 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+ROOT = Path(__file__).resolve().parents[1]  # the repository: its kernel tests, and `tools` to import
 RECORD_VARIABLE = "KVPRUNE_RECORD_TRITON"
+# Names the target (`TARGETS`) whose limits the recording process's kernels choose as on.
+TARGET_VARIABLE = "KVPRUNE_TRITON_TARGET"
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,22 @@ KERNEL_TESTS = ("tests/test_triton_attention.py", "tests/test_triton_fdc_vote.py
 
 
 # ---- recording (in the interpreter) -------------------------------------------------------------
+def install_from_environment() -> None:
+    """What `record` asks of the kernel tests' process (tests/triton_setup.py calls this before
+    any kernel runs): tiles and precisions chosen as on `KVPRUNE_TRITON_TARGET`'s GPU, and the
+    recorder writing to `KVPRUNE_RECORD_TRITON`'s file."""
+    name = os.environ.get(TARGET_VARIABLE)
+    if name:
+        from vllm_kvprune.kernels import triton as kernels
+
+        if name not in TARGETS:
+            raise ValueError(f"{TARGET_VARIABLE}={name!r} is not one of {sorted(TARGETS)}")
+        target = TARGETS[name]
+        kernels.set_target_gpu(target.backend, target.arch, target.warp_size, target.max_shared_bytes)
+    if os.environ.get(RECORD_VARIABLE):
+        install_recorder(os.environ[RECORD_VARIABLE])
+
+
 def install_recorder(path: str) -> None:
     """Record every interpreted launch's kernel and argument types; the distinct ones are
     written to `path` (JSON lines, appended) when the process exits."""
@@ -103,18 +123,15 @@ def record(out: Path, target: str, tests: tuple[str, ...] = KERNEL_TESTS,
            select: str | None = None) -> list[dict[str, Any]]:
     """Run the kernel tests in the interpreter, choosing as on `target`, with the recorder on;
     returns the distinct launches."""
-    from vllm_kvprune.kernels.triton import TARGET_VARIABLE
-
     out.unlink(missing_ok=True)
-    root = Path(__file__).resolve().parents[3]
-    if not (root / tests[0]).exists():
-        raise FileNotFoundError(f"the kernel tests are not beside this package ({root / tests[0]}): "
+    if not (ROOT / tests[0]).exists():
+        raise FileNotFoundError(f"the kernel tests are not beside this tool ({ROOT / tests[0]}): "
                                 "run the check from a clone of the repository")
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "triton", *tests]
     if select:
         command += ["-k", select]
     env = {**os.environ, RECORD_VARIABLE: str(out), "TRITON_INTERPRET": "1", TARGET_VARIABLE: target}
-    result = subprocess.run(command, env=env, capture_output=True, text=True, cwd=root)
+    result = subprocess.run(command, env=env, capture_output=True, text=True, cwd=ROOT)
     if result.returncode != 0:
         raise RuntimeError(f"the kernel tests failed in the interpreter as on {target}:\n"
                            f"{result.stdout[-3000:]}{result.stderr[-2000:]}")
@@ -246,8 +263,8 @@ def compile_entries(entries: list[dict[str, Any]], target: str) -> list[dict[str
         inputs.write_text(json.dumps(entries))
         env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
         env["TRITON_CACHE_DIR"] = str(Path(folder) / "cache")  # a fresh compile, not a cached binary
-        subprocess.run([sys.executable, "-m", "vllm_kvprune.kernels.triton.targets", "--compile-child", target,
-                        str(inputs), str(outputs)], env=env, check=True)
+        subprocess.run([sys.executable, "-m", "tools.triton_targets", "--compile-child", target,
+                        str(inputs), str(outputs)], env=env, check=True, cwd=ROOT)
         return json.loads(outputs.read_text())
 
 
@@ -259,7 +276,7 @@ def _compile_child(target: str, inputs: str, outputs: str) -> None:
 
 def git_head() -> str | None:
     found = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                           cwd=Path(__file__).resolve().parents[3])
+                           cwd=ROOT)
     return found.stdout.strip() or None
 
 
@@ -280,7 +297,7 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vllm_kvprune.kernels.triton.targets", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m tools.triton_targets", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--targets", nargs="+", default=list(DEFAULT_TARGETS), choices=list(TARGETS))
     parser.add_argument("--select", default=None, help="pytest -k expression: record only these kernel tests")

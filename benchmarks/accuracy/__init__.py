@@ -1,4 +1,4 @@
-"""`python -m vllm_kvprune.bench accuracy`: what each policy keeps is worth, on the real model.
+"""`python -m benchmarks accuracy`: what each policy keeps is worth, on the real model.
 
 Tasks (one file each): streaming perplexity over essays (`perplexity.py`), needle in a
 haystack over 1K-7K contexts and 0-100% depths (`needle.py`), key-value retrieval
@@ -23,11 +23,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_kvprune.bench.accuracy.arithmetic import Arithmetic
-from vllm_kvprune.bench.accuracy.kv_retrieval import KVRetrieval
-from vllm_kvprune.bench.accuracy.needle import Needle
-from vllm_kvprune.bench.accuracy.perplexity import Perplexity
-from vllm_kvprune.bench.accuracy.task import Case, Task
+from benchmarks.accuracy.arithmetic import Arithmetic
+from benchmarks.accuracy.kv_retrieval import KVRetrieval
+from benchmarks.accuracy.needle import Needle
+from benchmarks.accuracy.perplexity import Perplexity
+from benchmarks.accuracy.task import Case, Task
 
 NAME = "accuracy"
 TASK_TYPES: dict[str, type[Task]] = {"perplexity": Perplexity, "needle": Needle, "kv_retrieval": KVRetrieval,
@@ -101,20 +101,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vllm_kvprune.bench import common
+    from benchmarks import common
 
     for name, value in common.ENGINE_ENV.items():
         os.environ.setdefault(name, value)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engines in this process, one at a time
     reused = load_kvpress_records(args) if args.kvpress and args.reuse_kvpress else None
     if args.kvpress and reused is None:
-        from vllm_kvprune.bench.kvpress_runner import kvpress_python
+        from benchmarks.kvpress_runner import kvpress_python
 
         kvpress_python()  # fails now, naming the setup script, rather than after the engines ran
     from transformers import AutoTokenizer
 
-    from vllm_kvprune import assets
-    from vllm_kvprune.bench.accuracy import kvpress_side, ours
+    from benchmarks.accuracy import kvpress_side, ours
+    from tools import assets
 
     model = str(assets.tiny_model_dir() if args.tiny else assets.real_model_dir())
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -150,9 +150,9 @@ def run(args: argparse.Namespace) -> int:
 
 def write_reports(args: argparse.Namespace, tasks: list[Task], records: list[dict[str, Any]],
                   timings: list[dict[str, Any]], pairs: dict[str, str], run_seconds: float) -> None:
-    from vllm_kvprune.bench import common
-    from vllm_kvprune.bench.accuracy import memory, report
-    from vllm_kvprune.bench.accuracy.ours import ENGINE_OPTIONS
+    from benchmarks import common
+    from benchmarks.accuracy import memory, report
+    from benchmarks.accuracy.ours import ENGINE_OPTIONS
 
     settings = {key: getattr(args, key) for key in (
         "tasks", "policies", "budgets", "sinks", "seed", "ppl_segments", "ppl_tokens", "needle_contexts",
@@ -194,7 +194,7 @@ def write_reports(args: argparse.Namespace, tasks: list[Task], records: list[dic
 def load_kvpress_records(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """kvpress's records and timings from `--out-dir`'s files of an earlier run whose cases and
     kvpress settings are this run's; an error naming the first that differs otherwise."""
-    from vllm_kvprune.bench.accuracy.report import KVPRESS
+    from benchmarks.accuracy.report import KVPRESS
 
     records, timings = [], []
     for name in args.tasks:

@@ -10,7 +10,7 @@ import random
 import re
 from typing import Any
 
-from vllm_kvprune.bench.accuracy.task import Answer, Case, Task
+from benchmarks.accuracy.task import Answer, Case, Task
 
 NAMES = "Tom Anna Ben Lucy Sam Mia Jack Emma".split()
 ITEMS = "apples pencils books marbles cookies stickers".split()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from vllm_kvprune.bench.accuracy.task import Answer, Case, Task
+from benchmarks.accuracy.task import Answer, Case, Task
 
 KEY_WORDS = ("apple river stone cloud tiger maple candle silver garden rocket violet harbor pepper lantern "
              "meadow falcon copper breeze marble orchid").split()

@@ -11,9 +11,9 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence
 
-from vllm_kvprune.bench.accuracy.report import KVPRESS
-from vllm_kvprune.bench.accuracy.task import Answer, Case, Task
-from vllm_kvprune.bench.kvpress_runner import run_kvpress
+from benchmarks.accuracy.report import KVPRESS
+from benchmarks.accuracy.task import Answer, Case, Task
+from benchmarks.kvpress_runner import run_kvpress
 
 # Our policy -> the kvpress press that keeps tokens by the same rule.
 PRESS_OF_POLICY = {"streaming": "StreamingLLMPress", "h2o": "ObservedAttentionPress", "paged_eviction": "KnormPress"}

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from vllm_kvprune.bench.accuracy.report import BUDGET_FREE, OURS, default_setting
-from vllm_kvprune.bench.accuracy.task import Task
+from benchmarks.accuracy.report import BUDGET_FREE, OURS, default_setting
+from benchmarks.accuracy.task import Task
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ def _against_best(task: Task, curves: dict[str, list[Point]], value: float, memo
 def plot_vs_memory(task: Task, found: Sequence[Point], path: Path) -> None:
     """The metric against KV memory: a line per budgeted policy (one point per budget), the
     full cache, and `gvote`'s settings (the p sweep as a line, the sample sweep as points)."""
-    from vllm_kvprune.bench import common
+    from benchmarks import common
 
     figure, axes = common.new_figure(6.5, 4.0)
     for method, curve in budgeted_curves(found).items():
@@ -183,7 +183,7 @@ def sweep_rows(found_by_task: dict[str, tuple[Task, list[Point]]]) -> tuple[list
 def plot_sweeps(found_by_task: dict[str, tuple[Task, list[Point]]], path: Path) -> None:
     """Two panels, as the paper's Fig. 7 and 8: metric and memory against p (default S) and
     against S (default p), one line per task."""
-    from vllm_kvprune.bench import common
+    from benchmarks import common
 
     default_p, default_samples = default_setting()
     figure, (by_p, by_samples) = _two_panels(common)

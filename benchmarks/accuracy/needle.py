@@ -13,7 +13,7 @@ import random
 from pathlib import Path
 from typing import Any, Sequence
 
-from vllm_kvprune.bench.accuracy.task import Answer, Case, Task, chat_prompt, essay_token_ids
+from benchmarks.accuracy.task import Answer, Case, Task, chat_prompt, essay_token_ids
 
 NEEDLE = "The special magic number is {number}."
 QUESTION = "What is the special magic number mentioned in the text above? Answer with the number only."
@@ -57,7 +57,7 @@ class Needle(Task):
         return {"hit": str(case.facts["number"]) in answer.text}
 
     def plot(self, records: Sequence[dict[str, Any]], path: Path) -> None:
-        from vllm_kvprune.bench.accuracy import report
+        from benchmarks.accuracy import report
 
         report.plot_vs_budget(self, records, path)
         report.plot_heat_maps(records, self.contexts, self.depths, path.with_name(path.stem + "_heatmap.png"))

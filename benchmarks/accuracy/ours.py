@@ -15,11 +15,11 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from vllm_kvprune.bench import common
-from vllm_kvprune.bench.accuracy.forced import FORCED_KEY, ForcedTokens
-from vllm_kvprune.bench.accuracy.kvpress_side import matched_runs
-from vllm_kvprune.bench.accuracy.report import BUDGET_FREE, OURS, default_setting
-from vllm_kvprune.bench.accuracy.task import Answer, Case, Task
+from benchmarks import common
+from benchmarks.accuracy.forced import FORCED_KEY, ForcedTokens
+from benchmarks.accuracy.kvpress_side import matched_runs
+from benchmarks.accuracy.report import BUDGET_FREE, OURS, default_setting
+from benchmarks.accuracy.task import Answer, Case, Task
 
 # Policies that keep every token (fdc narrows them instead): one run per case, no budget.
 WHOLE_CACHE = ("none", "fdc")

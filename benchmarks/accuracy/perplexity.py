@@ -12,7 +12,7 @@ import math
 import random
 from typing import Any, Sequence
 
-from vllm_kvprune.bench.accuracy.task import Answer, Case, Task, essay_token_ids
+from benchmarks.accuracy.task import Answer, Case, Task, essay_token_ids
 
 WINDOW = 256  # tokens per entry of the NLL-by-position profile kept in the JSON
 

@@ -12,7 +12,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from vllm_kvprune.bench.accuracy.task import Task
+from benchmarks.accuracy.task import Task
 
 OURS = "vllm-kvprune"
 KVPRESS = "kvpress"
@@ -83,7 +83,7 @@ def _seconds(value: float | None) -> str:
 
 def plot_vs_budget(task: Task, records: Sequence[dict[str, Any]], path: Path) -> None:
     """The metric against the budget, one line per method; full-cache runs as flat lines."""
-    from vllm_kvprune.bench import common
+    from benchmarks import common
 
     groups = grouped(r for r in records if r["method"] not in BUDGET_FREE)
     figure, axes = common.new_figure(6.5, 4.0)
@@ -109,7 +109,7 @@ def plot_heat_maps(records: Sequence[dict[str, Any]], contexts: Sequence[int], d
                    path: Path) -> None:
     """The usual needle picture: hit (green) or miss (red) by context length and depth, one
     panel per method and budget (ours only; a budget-free policy at its default setting)."""
-    from vllm_kvprune.bench import common
+    from benchmarks import common
 
     default = default_setting()
     groups = grouped(r for r in records if r["system"] == OURS and (

@@ -68,7 +68,7 @@ class Task:
         return f"{100 * value:.0f}%"
 
     def plot(self, records: Sequence[dict[str, Any]], path: Path) -> None:
-        from vllm_kvprune.bench.accuracy import report
+        from benchmarks.accuracy import report
 
         report.plot_vs_budget(self, records, path)
 
@@ -83,6 +83,6 @@ def chat_prompt(tokenizer: Any, text: str) -> list[int]:
 @functools.lru_cache(maxsize=1)
 def essay_token_ids(tokenizer: Any) -> list[int]:
     """All essays as token ids (tokenized once: several tasks cut their text from them)."""
-    from vllm_kvprune import assets
+    from tools import assets
 
     return tokenizer(assets.essays_text(), add_special_tokens=False)["input_ids"]

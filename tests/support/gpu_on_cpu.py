@@ -1,10 +1,13 @@
-"""Tests only: a vLLM engine on this CPU running a GPU wrapper (`VLLM_KVPRUNE_TRITON_ON_CPU`).
+"""A vLLM engine on this CPU running a GPU wrapper (`VLLM_KVPRUNE_TRITON_ON_CPU`), for the tests.
 
-Part of `vllm_hooks` (the vLLM internals these reach are named there, in `hook_contracts`),
-kept apart because nothing here runs in a user's engine: with `VLLM_KVPRUNE_TRITON_ON_CPU=1`
-the plugin registers the TRITON_ATTN wrapper in place of CPU_ATTN and vLLM's Triton kernels
-run in Triton's interpreter (`TRITON_INTERPRET=1`); with `=FLASH_ATTN` the FLASH_ATTN wrapper,
-vLLM's FlashAttention ops given by torch references (`kernels/flash_reference.py`).
+`install(backend)` has the plugin register that backend's wrapper in place of CPU_ATTN
+(`vllm_hooks.run_gpu_wrapper_on_cpu`), after `prepare` has made vLLM's CPU build able to run the
+backend's classes on CPU tensors: with TRITON_ATTN vLLM's Triton kernels and ours run in Triton's
+interpreter (`TRITON_INTERPRET=1`); with FLASH_ATTN the FLASH_ATTN wrapper runs over torch
+references of vLLM's FlashAttention ops (`flash_reference.py`), ours interpreted. Call it before
+the process builds its first engine (tests/gpu_wrapper_run.py: `install_from_environment`); the
+plugin runs `prepare` when it registers, once vLLM's front end is imported, as vLLM's CPU build
+expects. The vLLM internals reached here are named in the package's `hook_contracts`.
 """
 
 from __future__ import annotations
@@ -12,7 +15,34 @@ from __future__ import annotations
 import importlib
 import os
 
+from vllm_kvprune import vllm_hooks
 from vllm_kvprune.hook_contracts import _FLASH_ATTN
+
+VARIABLE = "VLLM_KVPRUNE_TRITON_ON_CPU"
+
+
+def wrapped_backend() -> str | None:
+    """The GPU backend `VLLM_KVPRUNE_TRITON_ON_CPU` asks a CPU engine to run the wrapper of
+    (`1`: TRITON_ATTN; `FLASH_ATTN`), None when unset."""
+    asked = os.environ.get(VARIABLE, "")
+    if asked in ("", "0"):
+        return None
+    if asked not in ("1", "TRITON_ATTN", "FLASH_ATTN"):
+        raise RuntimeError(f"{VARIABLE}={asked}: expected 1, TRITON_ATTN or FLASH_ATTN")
+    return "TRITON_ATTN" if asked == "1" else asked
+
+
+def install_from_environment() -> str | None:
+    """`install` the backend `VLLM_KVPRUNE_TRITON_ON_CPU` names, if any; returns it."""
+    backend = wrapped_backend()
+    if backend is not None:
+        install(backend)
+    return backend
+
+
+def install(backend: str) -> None:
+    """The CPU engines this process builds from now on run `backend`'s GPU wrapper."""
+    vllm_hooks.run_gpu_wrapper_on_cpu(backend, lambda: prepare(backend))
 
 
 def prepare(backend: str) -> None:
@@ -22,31 +52,12 @@ def prepare(backend: str) -> None:
         _flash_attention_by_reference()
 
 
-def wrapped_backend() -> str | None:
-    """Tests only (`VLLM_KVPRUNE_TRITON_ON_CPU`): the GPU backend whose wrapper a CPU engine
-    runs (`1`: TRITON_ATTN; `FLASH_ATTN`), None when unset."""
-    asked = os.environ.get("VLLM_KVPRUNE_TRITON_ON_CPU", "")
-    if asked in ("", "0"):
-        return None
-    if asked not in ("1", "TRITON_ATTN", "FLASH_ATTN"):
-        raise RuntimeError(f"VLLM_KVPRUNE_TRITON_ON_CPU={asked}: expected 1, TRITON_ATTN or FLASH_ATTN")
-    return "TRITON_ATTN" if asked == "1" else asked
-
-
-def active() -> bool:
-    """Tests only: a CPU engine runs a GPU wrapper (`wrapped_backend`)."""
-    return wrapped_backend() is not None
-
-
 def _flash_attention_by_reference() -> None:
-    """Tests only: vLLM's CPU build has no FlashAttention ops (its FLASH_ATTN module imports
-    them only on CUDA/XPU/ROCm) and reports no FA version. Give the module torch references
-    of the two ops it calls and FA version 2 (no ahead-of-time schedule, FA3's only), so
-    its builder and impl run on CPU tensors as on a GPU."""
-    from vllm_kvprune.kernels.flash_reference import (
-        flash_attn_varlen_reference,
-        reshape_and_cache_flash_reference,
-    )
+    """vLLM's CPU build has no FlashAttention ops (its FLASH_ATTN module imports them only on
+    CUDA/XPU/ROCm) and reports no FA version. Give the module torch references of the two ops
+    it calls and FA version 2 (no ahead-of-time schedule, FA3's only), so its builder and impl
+    run on CPU tensors as on a GPU."""
+    from support.flash_reference import flash_attn_varlen_reference, reshape_and_cache_flash_reference
 
     module = importlib.import_module(_FLASH_ATTN)
     module.flash_attn_varlen_func = flash_attn_varlen_reference
@@ -55,16 +66,15 @@ def _flash_attention_by_reference() -> None:
 
 
 def _interpret_vllm_triton_on_cpu() -> None:
-    """Tests only: vLLM's CPU build swaps Triton for a placeholder (Triton has no CPU
-    backend) and its cache write asks CUDA for the device's capability (a tile-size choice).
-    Give it the real Triton, which `TRITON_INTERPRET=1` runs on CPU tensors, and capability
-    9.0 for CPU tensors."""
+    """vLLM's CPU build swaps Triton for a placeholder (Triton has no CPU backend) and its cache
+    write asks CUDA for the device's capability (a tile-size choice). Give it the real Triton,
+    which `TRITON_INTERPRET=1` runs on CPU tensors, and capability 9.0 for CPU tensors."""
     import torch
     import triton
     import triton.language as tl
 
     if os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("VLLM_KVPRUNE_TRITON_ON_CPU=1 needs TRITON_INTERPRET=1")
+        raise RuntimeError("a GPU wrapper on the CPU needs TRITON_INTERPRET=1 (set before Triton is imported)")
     triton_utils = importlib.import_module("vllm.triton_utils")
     triton_utils.triton, triton_utils.tl, triton_utils.HAS_TRITON = triton, tl, True
     real_capability = torch.cuda.get_device_capability
