@@ -1,7 +1,6 @@
-"""Builds the optional C++ extension `vllm_kvprune._C` and, with a CUDA or ROCm torch and its
-compiler, the GPU slot ops `vllm_kvprune._cuda_C`; with a CUDA torch, nvcc and CUTLASS's headers
-(the `[gpu]` extra), FDC's grouped projections `vllm_kvprune._cutlass_C`. All metadata lives in
-pyproject.toml.
+"""Builds what serving uses: the optional C++ extension `vllm_kvprune._C` and, with a CUDA torch,
+nvcc and CUTLASS's headers (the `[gpu]` extra), FDC's grouped projections `vllm_kvprune._cutlass_C`.
+All metadata lives in pyproject.toml.
 
 Install with `pip install --no-build-isolation -e .`: an isolated build environment would
 download the registry's newest (CUDA) torch instead of compiling against the installed one.
@@ -9,6 +8,10 @@ Environment knobs:
   VLLM_KVPRUNE_NO_EXT=1        skip the extensions (the package falls back to torch ops)
   VLLM_KVPRUNE_CPU_ISA=X       force X in {avx512, avx2, generic} instead of reading
                                /proc/cpuinfo (e.g. to build on one machine for another)
+  VLLM_KVPRUNE_CUDA_SLOT_OPS=1 also build the CUDA slot ops `vllm_kvprune._cuda_C` (csrc/cuda,
+                               with a CUDA or ROCm torch and its compiler): a benchmark's
+                               (`bench gpu-kernels`, benchmarks/cuda_ops.py), which serving never
+                               runs; without it the benchmark JIT-builds them on a CUDA machine
 """
 
 from __future__ import annotations
@@ -99,9 +102,9 @@ def extension_build() -> dict:
 
 
 def gpu_extensions() -> list:
-    """`vllm_kvprune._cuda_C` when torch is a CUDA (or ROCm) build and its compiler is found
-    (nvcc under CUDA_HOME, or ROCM_HOME; hipify turns the .cu into HIP), else none and one
-    line saying why."""
+    """The GPU extensions when torch is a CUDA (or ROCm) build and its compiler is found (nvcc
+    under CUDA_HOME, or ROCM_HOME; hipify turns a .cu into HIP), else none and one line saying
+    why."""
     import torch
     from torch.utils import cpp_extension
 
@@ -110,11 +113,21 @@ def gpu_extensions() -> list:
     elif torch.version.hip is not None:
         toolkit, home, compiler, home_variable = "ROCm", cpp_extension.ROCM_HOME, "hipcc", "ROCM_HOME"
     else:
-        _log(f"skipping vllm_kvprune._cuda_C: torch {torch.__version__} is built for neither CUDA nor ROCm")
+        _log(f"skipping the GPU extensions: torch {torch.__version__} is built for neither CUDA nor ROCm")
         return []
     if home is None or not os.path.isfile(os.path.join(home, "bin", compiler)):
-        _log(f"skipping vllm_kvprune._cuda_C: torch is a {toolkit} build but {compiler} was not found "
+        _log(f"skipping the GPU extensions: torch is a {toolkit} build but {compiler} was not found "
              f"(set {home_variable}; {home_variable}={home})")
+        return []
+    return [*slot_op_extensions(toolkit, home, cpp_extension), *cutlass_extensions(toolkit, cpp_extension)]
+
+
+def slot_op_extensions(toolkit: str, home: str, cpp_extension) -> list:
+    """`vllm_kvprune._cuda_C` (the CUDA slot ops, csrc/cuda) when VLLM_KVPRUNE_CUDA_SLOT_OPS=1 asks
+    for it, else none and one line saying so: only a benchmark runs them."""
+    if os.environ.get("VLLM_KVPRUNE_CUDA_SLOT_OPS") != "1":
+        _log("skipping vllm_kvprune._cuda_C (the CUDA slot ops, which only `bench gpu-kernels` runs): "
+             "VLLM_KVPRUNE_CUDA_SLOT_OPS=1 builds it")
         return []
     sources = sorted(
         os.path.relpath(path, ROOT)
@@ -122,12 +135,11 @@ def gpu_extensions() -> list:
         for path in glob.glob(os.path.join(ROOT, CUDA_SOURCE_DIR, pattern))
     )
     _log(f"building vllm_kvprune._cuda_C for {toolkit} ({home}) from {len(sources)} sources")
-    slot_ops = cpp_extension.CUDAExtension(
+    return [cpp_extension.CUDAExtension(
         name="vllm_kvprune._cuda_C",
         sources=sources,
         extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3"]},
-    )
-    return [slot_ops, *cutlass_extensions(toolkit, cpp_extension)]
+    )]
 
 
 def cutlass_extensions(toolkit: str, cpp_extension) -> list:

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: `tools` (the assets)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read the scheduler in-process
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
@@ -33,7 +36,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def essay_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
-    from vllm_kvprune import assets
+    from tools import assets
 
     words = assets.essays_text().split()
     prompts = []
@@ -74,7 +77,7 @@ def main() -> None:
     args = parse_args()
     from transformers import AutoTokenizer
 
-    from vllm_kvprune import assets
+    from tools import assets
     from vllm_kvprune.config import KVPolicyConfig
 
     policy = KVPolicyConfig.from_dict({"name": args.policy, "budget": args.budget, "sinks": args.sinks})

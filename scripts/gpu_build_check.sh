@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Build the GPU extensions (csrc/cuda's slot ops, csrc/cutlass's grouped projections) against a
-# CUDA build of torch on a machine without a GPU, then load them and check their ops registered.
+# Build the GPU extensions (csrc/cutlass's grouped projections, which serving uses, and csrc/cuda's
+# slot ops, a benchmark's: VLLM_KVPRUNE_CUDA_SLOT_OPS=1 asks setup.py for them) against a CUDA
+# build of torch on a machine without a GPU, then load them and check their ops registered.
 # Compiling and linking need no GPU; running the ops does (scripts/gpu_check.sh, on a GPU machine).
 #
 #   bash scripts/gpu_build_check.sh        # log in results/gpu/gpu_build_check.txt
@@ -9,7 +10,7 @@
 # built for, and pip access to that torch: TORCH_SPEC (default torch==2.14.1, a CUDA 13.0 build
 # this project's machines hold on disk) goes into VENV (default ~/.cache/vllm-kvprune/cuda-torch,
 # about 5.5 GB). CUTLASS's headers: CUTLASS_INCLUDE_DIR, else fetched by
-# `python -m vllm_kvprune.kernels.cutlass_check --fetch`. The build runs in a copy of the tree,
+# `python -m tools.cutlass_check --fetch`. The build runs in a copy of the tree,
 # so no .so lands in this checkout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +26,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$VENV/bin/pip" install -q "$TORCH_SPEC" numpy setuptools wheel
 fi
 if [ -z "${CUTLASS_INCLUDE_DIR:-}" ]; then
-  .venv/bin/python -m vllm_kvprune.kernels.cutlass_check --fetch --headers-for "$VENV/cutlass-include" > /dev/null
+  .venv/bin/python -m tools.cutlass_check --fetch --headers-for "$VENV/cutlass-include" > /dev/null
   export CUTLASS_INCLUDE_DIR=$VENV/cutlass-include
 fi
 # The CUDA headers torch's own headers include (cuBLAS, cuSPARSE) come with torch's pip wheels.
@@ -36,19 +37,20 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-2}
 BUILD=$(mktemp -d)
 trap 'rm -rf "$BUILD"' EXIT
 git ls-files -z | tar --null -T - -cf - | tar -xf - -C "$BUILD"
-cp -r csrc vllm_kvprune setup.py pyproject.toml "$BUILD"/  # uncommitted work too
+cp -r csrc vllm_kvprune benchmarks setup.py pyproject.toml "$BUILD"/  # uncommitted work too
 {
   echo "== $(date -u +%FT%TZ) head $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- csrc setup.py || echo ' with uncommitted csrc/setup.py changes'); torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
   echo "== nvcc: $("$CUDA_HOME/bin/nvcc" --version | tail -1); TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST; CUTLASS: $CUTLASS_INCLUDE_DIR"
-  (cd "$BUILD" && "$VENV/bin/python" setup.py build_ext --inplace 2>&1 | grep -E "vllm-kvprune setup|error|warning: .*kvprune" || true)
+  (cd "$BUILD" && VLLM_KVPRUNE_CUDA_SLOT_OPS=1 "$VENV/bin/python" setup.py build_ext --inplace 2>&1 \
+    | grep -E "vllm-kvprune setup|error|warning: .*kvprune" || true)
   cd "$BUILD" && "$VENV/bin/python" - <<'EOF'
 import importlib
 
 import torch
 
-# First as the package loads them (kernels/op_library.py: the built extension, before any JIT).
+# First as they are loaded (kernels/op_library.py: the built extension, before any JIT).
+from benchmarks.cuda_ops import LIBRARY as slot_ops
 from vllm_kvprune.kernels.grouped_gemm import LIBRARY as cutlass_ops
-from vllm_kvprune.kernels.triton.cuda_ops import LIBRARY as slot_ops
 
 for library in (slot_ops, cutlass_ops):
     assert library.load(), library.error

@@ -11,9 +11,10 @@
 # else), each writing into $OUT with the GPU's tag (h100, h200, ...):
 #   env        env_TAG.txt: nvidia-smi's name/driver/memory, torch, Triton, CUDA
 #   build      build_TAG.txt: `setup.py build_ext --inplace` (the C++ ops the planner uses, the
-#              CUDA slot ops from csrc/cuda when nvcc is found, and FDC's CUTLASS projections
-#              from csrc/cutlass when CUTLASS's headers are: carry `.cutlass-include`, made here by
-#              `python -m vllm_kvprune.kernels.cutlass_check --fetch --headers-for .cutlass-include`)
+#              CUDA slot ops `bench gpu-kernels` times from csrc/cuda when nvcc is found
+#              (VLLM_KVPRUNE_CUDA_SLOT_OPS=1), and FDC's CUTLASS projections from csrc/cutlass
+#              when CUTLASS's headers are: carry `.cutlass-include`, made here by
+#              `python -m tools.cutlass_check --fetch --headers-for .cutlass-include`)
 #   tests      pytest_TAG.txt: every Triton kernel and the impl's policy steps on CUDA tensors
 #              against their torch references (pytest -m triton --noconftest)
 #   fdc-layer  fdc_layer_TAG.{json,txt,png}: bench gpu-kernels --cases fdc-layer (where one FDC
@@ -36,7 +37,7 @@ DEADLINE=${DEADLINE:-540}
 # The CUTLASS headers carried from the CPU machine (the GPU machine has no package index).
 [ -z "${CUTLASS_INCLUDE_DIR:-}" ] && [ -d .cutlass-include/cutlass ] && export CUTLASS_INCLUDE_DIR=$PWD/.cutlass-include
 
-TAG=$($PYTHON -c "import torch; from vllm_kvprune.bench.gpu_kernels import gpu_slug; \
+TAG=$($PYTHON -c "import torch; from benchmarks.gpu_kernels import gpu_slug; \
 print(gpu_slug('cuda' if torch.cuda.is_available() else 'cpu'))" 2>/dev/null || echo unknown)
 summary=()
 
@@ -70,7 +71,8 @@ for stage in "${stages[@]}"; do
     env)
       run_stage env 60 "$OUT/env_$TAG.txt" bash -c describe_machine ;;
     build)
-      run_stage build 300 "$OUT/build_$TAG.txt" env MAX_JOBS=${MAX_JOBS:-16} $PYTHON setup.py build_ext --inplace ;;
+      run_stage build 300 "$OUT/build_$TAG.txt" env MAX_JOBS=${MAX_JOBS:-16} VLLM_KVPRUNE_CUDA_SLOT_OPS=1 \
+        $PYTHON setup.py build_ext --inplace ;;
     tests)
       run_stage tests 400 "$OUT/pytest_$TAG.txt" $PYTHON -m pytest -q -p no:cacheprovider -m triton --noconftest \
         tests/test_triton_attention.py tests/test_triton_fdc_vote.py tests/test_triton_fdc_write.py \
@@ -78,14 +80,14 @@ for stage in "${stages[@]}"; do
         tests/test_triton_slot_ops.py tests/test_triton_policy_steps.py tests/test_bench_gpu_kernels.py \
         tests/test_fdc_projections.py ;;
     fdc-layer)
-      run_stage fdc-layer 120 "$OUT/fdc_layer_$TAG.txt" $PYTHON -m vllm_kvprune.bench.gpu_kernels \
+      run_stage fdc-layer 120 "$OUT/fdc_layer_$TAG.txt" $PYTHON -m benchmarks.gpu_kernels \
         --cases fdc-layer --out "$OUT/fdc_layer_$TAG" ;;
     kernels)
-      run_stage kernels 300 "$OUT/kernels_$TAG.txt" $PYTHON -m vllm_kvprune.bench.gpu_kernels --out "$OUT/kernels_$TAG" ;;
+      run_stage kernels 300 "$OUT/kernels_$TAG.txt" $PYTHON -m benchmarks.gpu_kernels --out "$OUT/kernels_$TAG" ;;
     steps)
-      run_stage steps 300 "$OUT/steps_$TAG.txt" $PYTHON -m vllm_kvprune.bench.gpu_steps --out "$OUT/steps_$TAG" ;;
+      run_stage steps 300 "$OUT/steps_$TAG.txt" $PYTHON -m benchmarks.gpu_steps --out "$OUT/steps_$TAG" ;;
     plan)
-      run_stage plan 120 "$OUT/plan_steps_$TAG.txt" $PYTHON -m vllm_kvprune.bench.plan_steps \
+      run_stage plan 120 "$OUT/plan_steps_$TAG.txt" $PYTHON -m benchmarks.plan_steps \
         --out "$OUT/plan_steps_$TAG.json" ;;
     *)
       echo "unknown stage '$stage' (env build tests fdc-layer steps plan kernels)" >&2

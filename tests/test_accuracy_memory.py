@@ -1,14 +1,14 @@
-"""Accuracy at equal KV memory (`bench/accuracy/memory.py`) and the runs the suite makes of a
-budget-free policy (`bench/accuracy/ours.py`), on records and cases made up here."""
+"""Accuracy at equal KV memory (`benchmarks/accuracy/memory.py`) and the runs the suite makes of a
+budget-free policy (`benchmarks/accuracy/ours.py`), on records and cases made up here."""
 
 from __future__ import annotations
 
 import pytest
 
-from vllm_kvprune.bench.accuracy import memory, ours
-from vllm_kvprune.bench.accuracy.arithmetic import Arithmetic
-from vllm_kvprune.bench.accuracy.perplexity import Perplexity
-from vllm_kvprune.bench.accuracy.task import Case
+from benchmarks.accuracy import memory, ours
+from benchmarks.accuracy.arithmetic import Arithmetic
+from benchmarks.accuracy.perplexity import Perplexity
+from benchmarks.accuracy.task import Case
 
 
 def record(case: str, method: str, budget: int | None, hit: bool, blocks: float, per_layer: float | None = None,
@@ -100,7 +100,7 @@ def test_budget_free_policies_run_settings_and_skip_teacher_forced_tasks():
 
 
 def test_needle_heat_map_gives_the_full_cache_and_gvote_panels_of_their_own():
-    from vllm_kvprune.bench.accuracy import report
+    from benchmarks.accuracy import report
 
     records = [record("a", "none", None, True, 10), record("a", "h2o", 256, False, 9),
                record("a", "h2o", 1024, True, 33), record("a", "streaming", 256, False, 9),

@@ -10,20 +10,20 @@ import re
 import pytest
 import torch
 
-from vllm_kvprune.bench.accuracy import report
-from vllm_kvprune.bench.accuracy.arithmetic import Arithmetic
-from vllm_kvprune.bench.accuracy.kv_retrieval import KVRetrieval
-from vllm_kvprune.bench.accuracy.kvpress_side import compression_ratio
-from vllm_kvprune.bench.accuracy.needle import NEEDLE, Needle
-from vllm_kvprune.bench.accuracy.perplexity import Perplexity
-from vllm_kvprune.bench.accuracy.task import Answer
+from benchmarks.accuracy import report
+from benchmarks.accuracy.arithmetic import Arithmetic
+from benchmarks.accuracy.kv_retrieval import KVRetrieval
+from benchmarks.accuracy.kvpress_side import compression_ratio
+from benchmarks.accuracy.needle import NEEDLE, Needle
+from benchmarks.accuracy.perplexity import Perplexity
+from benchmarks.accuracy.task import Answer
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from vllm_kvprune import assets
+    from tools import assets
 
     return AutoTokenizer.from_pretrained(str(assets.real_model_dir()))
 
@@ -72,7 +72,7 @@ def test_arithmetic_examples_are_right_and_scored(tokenizer):
 def test_perplexity_scores_forced_tokens_only(tokenizer):
     task = Perplexity(1, 300)
     (case,) = build(task, tokenizer, 0)
-    from vllm_kvprune.bench.accuracy.task import essay_token_ids
+    from benchmarks.accuracy.task import essay_token_ids
 
     start = case.facts["start"]
     assert case.prompt_ids + case.forced_ids == essay_token_ids(tokenizer)[start:start + 300]
@@ -121,7 +121,7 @@ def test_forced_tokens_follow_the_batch():
     from vllm import SamplingParams
     from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
-    from vllm_kvprune.bench.accuracy.forced import FORCED_KEY, ForcedTokens
+    from benchmarks.accuracy.forced import FORCED_KEY, ForcedTokens
 
     processor = ForcedTokens(None, torch.device("cpu"), False)
     outputs_a, outputs_b, outputs_free = [], [7], []

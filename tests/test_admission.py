@@ -154,7 +154,7 @@ def test_a_request_that_fits_no_pool_of_a_hybrid_model_finishes_with_an_error():
     """Gemma 2: the front end sees only the policy's group; the scheduler also counts the
     sliding-window group and finishes at once a request whose total need exceeds the pool,
     so the request behind it is served."""
-    from vllm_kvprune.model_zoo import zoo_model_dir
+    from tools.model_zoo import zoo_model_dir
 
     with engine(str(zoo_model_dir("gemma2")), {"name": "streaming", "budget": 64, "sinks": 4}, kv_blocks=40 + 1,
                 max_num_batched_tokens=512) as llm:

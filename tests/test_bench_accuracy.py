@@ -1,4 +1,4 @@
-"""`python -m vllm_kvprune.bench accuracy` and `results` end to end on a small grid, checked
+"""`python -m benchmarks accuracy` and `results` end to end on a small grid, checked
 against what can be computed without them: real engines and kvpress in its venv, on the tiny
 random Llama (`--tiny`: the real model's pipeline at a fraction of its cost; its scores mean
 nothing). One budgeted policy (streaming) and the budget-free one (gvote): the others go through the same
@@ -21,7 +21,7 @@ PPL_TOKENS = 300
 @pytest.fixture(scope="module")
 def small_run(tmp_path_factory, kvpress_venv):
     out = tmp_path_factory.mktemp("accuracy")
-    command = [sys.executable, "-m", "vllm_kvprune.bench", "accuracy", "--policies", "streaming", "gvote",
+    command = [sys.executable, "-m", "benchmarks", "accuracy", "--policies", "streaming", "gvote",
                "--gvote-p", "0.95", "--gvote-samples", "8", "--budgets", "128", "--ppl-segments", "1", "--ppl-tokens", str(PPL_TOKENS),
                "--needle-contexts", "1024", "--needle-depths", "0", "100", "--needle-budgets", "256",
                "--kv-cases", "2", "--arith-cases", "2", "--kvpress-cases", "1", "--out-dir", str(out), "--tiny",
@@ -92,7 +92,7 @@ def test_full_cache_perplexity_matches_hugging_face(small_run):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from vllm_kvprune import assets
+    from tools import assets
 
     document = load(small_run, "perplexity")
     (full,) = [r for r in document["results"] if r["method"] == "none"]
@@ -100,7 +100,7 @@ def test_full_cache_perplexity_matches_hugging_face(small_run):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(assets.tiny_model_dir()))
-    from vllm_kvprune.bench.accuracy.task import essay_token_ids
+    from benchmarks.accuracy.task import essay_token_ids
 
     ids = torch.tensor([essay_token_ids(tokenizer)[start:start + tokens]])
     model = AutoModelForCausalLM.from_pretrained(str(assets.tiny_model_dir()), dtype=torch.float32).eval()
@@ -118,7 +118,7 @@ def test_full_cache_perplexity_matches_hugging_face(small_run):
 
 @pytest.mark.slow
 def test_results_page_renders_every_table(small_run, tmp_path):
-    from vllm_kvprune.bench import results_page
+    from benchmarks import results_page
 
     repo_results = Path(__file__).resolve().parents[1] / "results"
     for path in repo_results.glob("*.json"):
@@ -133,8 +133,8 @@ def test_results_page_renders_every_table(small_run, tmp_path):
         assert "| " + " | ".join(table["rows"][0]) + " |" in page
     assert "## Throughput" in page and "## KV update" in page and "kvpress 0.5.5" in page
     assert page.count("A smoke run on the tiny random model") == len(results_page.ACCURACY_TASKS)
-    from vllm_kvprune.bench.accuracy import memory
-    from vllm_kvprune.bench.accuracy.needle import Needle
+    from benchmarks.accuracy import memory
+    from benchmarks.accuracy.needle import Needle
 
     found = memory.points(Needle(), load(small_run, "needle")["results"])
     _, (row,) = memory.equal_memory_table(Needle(), found)

@@ -1,4 +1,4 @@
-"""`python -m vllm_kvprune.bench attention-mass` end to end on small shapes: both cases and
+"""`python -m benchmarks attention-mass` end to end on small shapes: both cases and
 dtypes are timed, the JSON names the build the times belong to, the plot is written."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from vllm_kvprune import kernels
 
 def test_every_case_is_timed_and_the_build_is_named(tmp_path: Path) -> None:
     out = tmp_path / "attention_mass.json"
-    finished = subprocess.run([sys.executable, "-m", "vllm_kvprune.bench", "attention-mass", "--prompt-tokens", "96",
+    finished = subprocess.run([sys.executable, "-m", "benchmarks", "attention-mass", "--prompt-tokens", "96",
                                "--batch", "3", "--keys", "80", "--repeats", "2", "--threads", "1", "--layers", "2",
                                "--held", "40", "--out", str(out)],
                               capture_output=True, text=True, timeout=300)

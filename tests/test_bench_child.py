@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from vllm_kvprune.bench import common
+from benchmarks import common
 
-PRINT = "from vllm_kvprune.bench import common; print('noise'); common.print_child_result({r}); {tail}"
+PRINT = "from benchmarks import common; print('noise'); common.print_child_result({r}); {tail}"
 
 
 def child(result: str, tail: str = "") -> list[str]:

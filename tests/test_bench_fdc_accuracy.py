@@ -9,8 +9,8 @@ import types
 import pytest
 import torch
 
-from vllm_kvprune.bench import fdc_accuracy
-from vllm_kvprune.bench.accuracy.task import Case, Task
+from benchmarks import fdc_accuracy
+from benchmarks.accuracy.task import Case, Task
 from vllm_kvprune.fdc import calibration as fdc
 
 

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from vllm_kvprune.bench import gpu_kernels
+from benchmarks import gpu_kernels
 
 pytestmark = pytest.mark.triton
 
@@ -45,7 +45,7 @@ def test_every_case_runs_and_agrees_with_torch(tmp_path):
 def test_gpu_steps_runs_every_policy(tmp_path):
     """The wrapper's per-step work, timed (`bench gpu-steps`): every policy's decode runs through
     the shared impl with the GPU kernel set and evicts down to its budget; `none` keeps all."""
-    from vllm_kvprune.bench import gpu_steps
+    from benchmarks import gpu_steps
 
     parser = argparse.ArgumentParser()
     gpu_steps.add_arguments(parser)

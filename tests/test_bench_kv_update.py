@@ -1,4 +1,4 @@
-"""Smoke test of `python -m vllm_kvprune.bench kv-update --policy h2o` on a tiny grid.
+"""Smoke test of `python -m benchmarks kv-update --policy h2o` on a tiny grid.
 
 Checks what the bench reports, never how fast anything ran: one row per configuration with
 the gather-and-append baseline and the in-place paths timed, the per-head correctness checks
@@ -12,8 +12,8 @@ import json
 import pytest
 import torch
 
-from vllm_kvprune.bench import __main__ as bench_main
-from vllm_kvprune.bench import kv_update
+from benchmarks import __main__ as bench_main
+from benchmarks import kv_update
 
 TINY_GRID = {"batch": (1, 2), "kv_heads": (2,), "head_dim": (64,), "evict": (8,)}
 

@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from vllm_kvprune.bench import lazy_pruning
+from benchmarks import lazy_pruning
 
 BUDGET, STREAM = 64, 200
 
@@ -104,7 +104,7 @@ def test_the_command_writes_its_file_after_every_engine(tmp_path) -> None:
     import sys
 
     out = tmp_path / "lazy.json"
-    command = [sys.executable, "-m", "vllm_kvprune.bench", "lazy-pruning", "--tiny", "--batches", "--intervals", "1",
+    command = [sys.executable, "-m", "benchmarks", "lazy-pruning", "--tiny", "--batches", "--intervals", "1",
                "--budget", str(BUDGET), "--stream-tokens", "256", "--original-tokens", "128", "--recompute-tokens", "0",
                "--recompute-stride", "0", "--pool-gib", "0.5", "--out", str(out)]
     finished = subprocess.run(command, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,

@@ -5,7 +5,7 @@ import argparse
 import json
 import subprocess
 
-from vllm_kvprune.bench import plan_steps
+from benchmarks import plan_steps
 
 
 def _worktrees() -> list[str]:
@@ -29,8 +29,8 @@ def test_every_policy_is_timed_here_and_at_the_revision(tmp_path):
 
 
 def test_the_planned_requests_hold_their_budget():
+    from benchmarks.gpu_steps import FULL
     from vllm_kvprune import vllm_hooks
-    from vllm_kvprune.bench.gpu_steps import FULL
 
     all_reduce = vllm_hooks.tp_all_reduce
     for policy in plan_steps.POLICIES:

@@ -1,4 +1,4 @@
-"""Smoke test of `python -m vllm_kvprune.bench throughput --quick` (tiny model).
+"""Smoke test of `python -m benchmarks throughput --quick` (tiny model).
 
 Checks what the bench reports, never how fast anything ran: every configuration is
 present with positive tokens/s and all of its tokens, and in the memory-bound setting
@@ -25,7 +25,7 @@ def run_quick_bench(out_stem: Path) -> dict:
         "VLLM_CPU_OMP_THREADS_BIND": "0-1",
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
     }
-    command = [sys.executable, "-m", "vllm_kvprune.bench", "throughput", "--quick", "--out", str(out_stem)]
+    command = [sys.executable, "-m", "benchmarks", "throughput", "--quick", "--out", str(out_stem)]
     finished = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
     return json.loads(out_stem.with_suffix(".json").read_text())
@@ -74,7 +74,7 @@ def test_policies_run_more_requests_at_once_when_memory_bound(quick_results: tup
 def test_budget_free_policy_is_matched_and_summarised() -> None:
     """A budget-free policy's row: `h2o` gets the budget whose cap is its measured mean blocks,
     and the summary (and the page) state both ratios and the memory share."""
-    from vllm_kvprune.bench import results_sections, throughput, throughput_report
+    from benchmarks import results_sections, throughput, throughput_report
     from vllm_kvprune.config import KVPolicyConfig
 
     for mean_blocks in (1.2, 17.0, 65.4, 65.6):
@@ -103,7 +103,7 @@ def test_budget_free_policy_is_matched_and_summarised() -> None:
 def test_none_requests_times_whole_waves_only() -> None:
     """`--none-requests`: `none` runs fewer of the same requests, in whole waves of those that
     fit at once, while every policy runs them all; a part wave is refused, naming the flag."""
-    from vllm_kvprune.bench import throughput, throughput_report
+    from benchmarks import throughput, throughput_report
 
     argv = ["--requests", "32", "--gen-tokens", "4096", "--pool-blocks", "576", "--budgets", "512",
             "--policies", "streaming", "--overhead-requests", "0"]

@@ -1,4 +1,4 @@
-"""`python -m vllm_kvprune.bench tpot` end to end on the tiny model: every policy timed in an
+"""`python -m benchmarks tpot` end to end on the tiny model: every policy timed in an
 engine of its own, over exactly the steps asked for (`decode_steps` refuses a timed step that
 does not decode one token of each request)."""
 
@@ -15,7 +15,7 @@ import pytest
 @pytest.mark.slow
 def test_every_policy_is_timed_and_compared_with_none(tmp_path):
     out = tmp_path / "tpot.json"
-    command = [sys.executable, "-m", "vllm_kvprune.bench", "tpot", "--tiny", "--policies", "paged_eviction", "streaming-shift",
+    command = [sys.executable, "-m", "benchmarks", "tpot", "--tiny", "--policies", "paged_eviction", "streaming-shift",
                "--budget", "128", "--prompt-tokens", "320", "--batch", "2", "--tokens", "16", "--repeats", "1", "--pool-gib", "0.25", "--out", str(out)]
     finished = subprocess.run(command, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
                               timeout=600)

@@ -1,4 +1,4 @@
-"""`python -m vllm_kvprune.bench ttft` end to end on the tiny model: every (policy, length) row
+"""`python -m benchmarks ttft` end to end on the tiny model: every (policy, length) row
 is there, measured (positive, one time per repeat), `none` is each length's 1.00x, and the
 results page renders the table from the JSON."""
 
@@ -18,7 +18,7 @@ LENGTHS = (64, 200)
 @pytest.mark.slow
 def test_every_policy_and_length_is_timed(tmp_path) -> None:
     out = tmp_path / "ttft.json"
-    command = [sys.executable, "-m", "vllm_kvprune.bench", "ttft", "--tiny", "--dtype", "float32",
+    command = [sys.executable, "-m", "benchmarks", "ttft", "--tiny", "--dtype", "float32",
                "--policies", *POLICIES, "--prompt-tokens", *map(str, LENGTHS), "--budget", "96", "--repeats", "2",
                "--out", str(out)]
     finished = subprocess.run(command, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
@@ -33,7 +33,7 @@ def test_every_policy_and_length_is_timed(tmp_path) -> None:
         assert row["budget"] == (None if policy == "none" else 96)
     assert out.with_suffix(".png").stat().st_size > 0
 
-    from vllm_kvprune.bench import results_papers, ttft
+    from benchmarks import results_papers, ttft
 
     section = results_papers.ttft_section(out, tmp_path)
     for line in ttft.table(document["results"])[1]:
@@ -41,6 +41,6 @@ def test_every_policy_and_length_is_timed(tmp_path) -> None:
 
 
 def test_fdc_without_a_calibration_is_refused() -> None:
-    finished = subprocess.run([sys.executable, "-m", "vllm_kvprune.bench", "ttft", "--policies", "fdc"],
+    finished = subprocess.run([sys.executable, "-m", "benchmarks", "ttft", "--policies", "fdc"],
                               capture_output=True, text=True, timeout=120)
     assert finished.returncode != 0 and "--fdc FILE" in finished.stderr

@@ -1,5 +1,5 @@
 """The CUTLASS kernel of FDC's projections compiles for a real GPU here (no GPU: nvcc and
-CUTLASS's headers come from the package index, `kernels/cutlass_check.py`), without spills; a
+CUTLASS's headers come from the package index, `tools/cutlass_check.py`), without spills; a
 target nvcc refuses fails the check."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from vllm_kvprune.kernels import cutlass_check
+from tools import cutlass_check
 
 PTXAS_LOG = """\
 ptxas info    : Compiling entry function '_ZN7cutlass6KernelIA' for 'sm_90'

@@ -33,7 +33,7 @@ POLICIES = {
 def essay_prompts(model: str) -> list[list[int]]:
     from transformers import AutoTokenizer
 
-    from vllm_kvprune import assets
+    from tools import assets
 
     ids = AutoTokenizer.from_pretrained(model)(assets.essays_text()[:40000])["input_ids"]
     return [ids[start:start + length] for start, length in ((0, 100), (3000, 150), (6000, 200))]
@@ -45,7 +45,7 @@ def default_mode_outputs(model: str, policy: dict, prompt_ids: list[list[int]], 
     each request forced along `forced`, scored at every step (top-2 raw logprobs)."""
     from vllm import LLM, SamplingParams
 
-    from vllm_kvprune.bench.accuracy.forced import FORCED_KEY, ForcedTokens
+    from benchmarks.accuracy.forced import FORCED_KEY, ForcedTokens
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     llm = LLM(model=model, block_size=BLOCK_SIZE, max_model_len=4096, kv_cache_memory_bytes=256 * 2**20,

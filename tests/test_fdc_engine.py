@@ -148,7 +148,7 @@ def test_real_model_matches_the_reference(real_model, tmp_path) -> None:
 @pytest.mark.parametrize("name", ["qwen2", "qwen3"])
 def test_other_architectures_match_the_reference(name: str, tmp_path) -> None:
     """Tiny random Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms), fp32."""
-    from vllm_kvprune.model_zoo import zoo_model_dir
+    from tools.model_zoo import zoo_model_dir
     from vllm_kvprune.reference.model import load_reference_model
 
     model = str(zoo_model_dir(name))

@@ -7,7 +7,7 @@ V rotation read column-major), the ranks rounded up to 4 (the rounded-up columns
 zeros), GQA's query heads reading their KV head's rotation, strided inputs, and that every group
 CUTLASS would get passes its alignment check. On a CUDA device with the CUTLASS op built
 (`scripts/gpu_check.sh`), the same groups run in one CUTLASS launch a projection and must agree.
-The compile check (`kernels/cutlass_check.py`) compiles the CUTLASS kernel for real GPUs here.
+The compile check (`tools/cutlass_check.py`) compiles the CUTLASS kernel for real GPUs here.
 """
 
 from __future__ import annotations

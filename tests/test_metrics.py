@@ -110,7 +110,7 @@ def test_the_overhead_stopwatch_times_outermost_calls_once() -> None:
     import time as clock
     import types
 
-    from vllm_kvprune.bench.metrics_overhead import Stopwatch
+    from benchmarks.metrics_overhead import Stopwatch
 
     def inner() -> int:
         clock.sleep(0.02)

@@ -1,5 +1,5 @@
 """The supported-model matrix (docs/MODELS.md), on tiny random models of each architecture
-(`vllm_kvprune.model_zoo`): every (architecture, policy) pair either serves exactly what
+(`tools.model_zoo`): every (architecture, policy) pair either serves exactly what
 `none` serves while nothing is evicted, and matches the reference implementation with
 eviction where the reference covers the architecture, or refuses at start-up with one line
 naming the policy, the feature and a layer. No crash, no silent difference."""
@@ -45,14 +45,14 @@ NOTHING_EVICTED_GVOTE = {"kv_gvote_p": 1.0}  # every budget is the whole prompt
 
 
 def model_dir(architecture: str) -> str:
-    from vllm_kvprune import assets
-    from vllm_kvprune.model_zoo import zoo_model_dir
+    from tools import assets
+    from tools.model_zoo import zoo_model_dir
 
     return str(assets.tiny_model_dir() if architecture == "llama" else zoo_model_dir(architecture))
 
 
 def engine_args(architecture: str) -> dict:
-    from vllm_kvprune.model_zoo import ZOO
+    from tools.model_zoo import ZOO
 
     return dict(ZOO[architecture].engine_args) if architecture in ZOO else {}
 

@@ -63,7 +63,7 @@ def test_pooling_models_refused(tiny_model, option):
 def test_mla_models_refused():
     # DeepSeek-style MLA: before, the CPU MLA backend's block size (16) was refused as if the
     # user had asked for it ("--block-size: must be a multiple of 32").
-    from vllm_kvprune.model_zoo import zoo_model_dir
+    from tools.model_zoo import zoo_model_dir
 
     model = str(zoo_model_dir("deepseek-mla"))
     with pytest.raises(ValueError, match=r"cannot run with MLA attention \(DeepseekV2ForCausalLM: a latent KV cache"):

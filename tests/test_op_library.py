@@ -1,15 +1,16 @@
-"""Loading our CUDA op libraries (`kernels/op_library.py`, used by the CUDA slot ops and
-CUTLASS's grouped GEMM): the built extension, an already registered library, or one line
-saying what this machine lacks to JIT-build it. The JIT build itself needs a CUDA device."""
+"""Loading our CUDA op libraries (`kernels/op_library.py`, used by CUTLASS's grouped GEMM and by
+the CUDA slot ops of `bench gpu-kernels`, `benchmarks/cuda_ops.py`): the built extension, an
+already registered library, or one line saying what this machine lacks to JIT-build it. The JIT
+build itself needs a CUDA device."""
 
 from pathlib import Path
 
 import pytest
 
+from benchmarks.cuda_ops import LIBRARY as SLOT_OPS
 from vllm_kvprune import kernels
 from vllm_kvprune.kernels.grouped_gemm import LIBRARY as CUTLASS
 from vllm_kvprune.kernels.op_library import OpLibrary
-from vllm_kvprune.kernels.triton.cuda_ops import LIBRARY as SLOT_OPS
 
 
 def _library(sources: list[Path], probe: str = "kvprune_nothing.op") -> OpLibrary:

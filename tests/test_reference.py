@@ -447,13 +447,13 @@ def test_validation(model):
 
 
 # ---------------------------------------------------------------------------------------------
-# slow: the real model (needs vllm_kvprune.assets and the converted SmolLM2 folder)
+# slow: the real model (needs tools.assets and the converted SmolLM2 folder)
 # ---------------------------------------------------------------------------------------------
 
 
 def _asset_dir(name: str):
     try:
-        from vllm_kvprune import assets  # type: ignore
+        from tools import assets  # type: ignore
     except Exception:
         return None
     try:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_kvprune.bench import results_papers
+from benchmarks import results_papers
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
@@ -56,7 +56,7 @@ def test_fig_10_row_says_none_ran_one_wave(tmp_path) -> None:
 
 def test_lazy_pruning_rows_come_from_r1_and_r64(tmp_path) -> None:
     """Its two halves run apart (TPOT, perplexity), each in its own file: the rows meet by setting."""
-    from vllm_kvprune.bench import common, lazy_pruning
+    from benchmarks import common, lazy_pruning
 
     def tpot(method, r, ms):
         return {"method": method, "R": r, "positions": None if r is None else "cache",
@@ -86,7 +86,7 @@ def test_lazy_pruning_rows_come_from_r1_and_r64(tmp_path) -> None:
 
 
 def test_fig_3d_and_7a_rows_come_from_the_tpot_file(tmp_path) -> None:
-    from vllm_kvprune.bench import common, tpot
+    from benchmarks import common, tpot
 
     rows = [{"policy": policy, "ms": ms, "rounds_ms": [ms, ms + 1], "steps": 128}
             for policy, ms in (("none", 100.0), ("streaming", 80.0), ("paged_eviction", 78.0),
@@ -117,7 +117,7 @@ def test_a_shorter_original_stream_meets_r1_on_its_own_tokens() -> None:
     chunks (the same tokens), never with R = 1's whole, longer stream."""
     import math
 
-    from vllm_kvprune.bench import lazy_pruning
+    from benchmarks import lazy_pruning
 
     chunks = [2.0, 2.0, 3.0, 5.0]  # R = 1's mean NLL per 1024 tokens
     strict = {"method": "streaming", "R": 1, "positions": "cache", "scored_tokens": 4096,

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_kvprune.bench import results_gpu
-from vllm_kvprune.bench import results_sections as sections
+from benchmarks import results_gpu
+from benchmarks import results_sections as sections
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "results"
@@ -64,7 +64,7 @@ def test_kv_update_heading_and_command_come_from_the_file(path: Path) -> None:
     if "policy" in document["settings"]:
         assert document["settings"]["policy"] in heading
     arguments = shlex.join(document["machine"]["command"][2:])
-    assert f"`python -m vllm_kvprune.bench {arguments}`" in rendered
+    assert f"`python -m benchmarks {arguments}`" in rendered
 
 
 @pytest.mark.parametrize("path", THROUGHPUT_FILES, ids=lambda path: path.name)
@@ -309,8 +309,8 @@ def test_ray_batch_section_reads_every_run() -> None:
 def test_accuracy_runs_apart_render_after_the_suites(tmp_path) -> None:
     """A run of a few tasks in a folder of results/ (ACCURACY_RUNS_APART) gets its own
     section, under its title, with its table computed from its records."""
-    from vllm_kvprune.bench import results_page
-    from vllm_kvprune.bench.accuracy import TASK_TYPES, report
+    from benchmarks import results_page
+    from benchmarks.accuracy import TASK_TYPES, report
 
     folder, title = next(iter(results_page.ACCURACY_RUNS_APART.items()))
     document = json.loads((RESULTS / "accuracy_needle.json").read_text())

@@ -104,7 +104,7 @@ def test_attention_mass_matches_reference(dtype: torch.dtype, group: int, nhd: b
 
 # Served models' head sizes (Llama/Qwen 128, Gemma 256) at GQA group 4: the tiles and
 # precisions the wrappers choose for them are the launches a GPU compiles
-# (`python -m vllm_kvprune.kernels.triton.targets`), so they are run here too.
+# (`python -m tools.triton_targets`), so they are run here too.
 @pytest.mark.parametrize("head_size", [128, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_attention_mass_at_model_head_sizes(dtype: torch.dtype, head_size: int) -> None:

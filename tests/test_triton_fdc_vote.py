@@ -82,7 +82,7 @@ def test_reduced_attention_matches_reference_fp32(batch, group: int, block_size:
 
 # A 128-wide model's heads (Llama/Qwen) at FDC's ranks: one at full width, one at half, one
 # unaligned; value ranks all multiples of 8 in bf16 (the aligned path's wider key tile). The
-# tiles chosen for them are what a GPU compiles (`python -m vllm_kvprune.kernels.triton.targets`).
+# tiles chosen for them are what a GPU compiles (`python -m tools.triton_targets`).
 @pytest.mark.parametrize(("dtype", "v_ranks"), [(torch.float32, (128, 40, 72)), (torch.bfloat16, (128, 64, 96))],
                          ids=["float32", "bfloat16-aligned"])
 @pytest.mark.parametrize("batch", [DECODE, PREFILL], ids=["decode", "prefill"])

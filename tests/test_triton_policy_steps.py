@@ -26,7 +26,7 @@ from vllm_kvprune.kernels import reference
 from vllm_kvprune.kernels.layout import gpu_layout
 from vllm_kvprune.worker import runtime
 from vllm_kvprune.worker.kernel_sets import KernelSet, TritonKernels
-from vllm_kvprune.bench.gpu_steps import StepImpl  # vLLM's cache write stood in for by the set's own
+from benchmarks.gpu_steps import StepImpl  # vLLM's cache write stood in for by the set's own
 from vllm_kvprune.worker.policy_attention import _layer_block_tables
 from vllm_kvprune.worker.state import StepRows, WorkerKVState
 

@@ -1,14 +1,16 @@
 """Triton slot ops and PagedEviction score kernels (and the optional CUDA slot ops) against the
 torch references: fp32/fp16/bf16, HND and NHD caches, [n] and [n, H] slots with -1 entries,
-overlapping (compaction) copies, untouched slots bit-equal, bad inputs rejected."""
+overlapping (compaction) copies, untouched slots bit-equal, bad inputs rejected. The CUDA slot
+ops are a benchmark's (`benchmarks/cuda_ops.py`), not the package's."""
 from triton_setup import DEVICE  # noqa: I001  (first: sets TRITON_INTERPRET=1 without a GPU)
 
 import pytest
 import torch
 
+from benchmarks import cuda_ops
 from vllm_kvprune.kernels import reference
 from vllm_kvprune.kernels.layout import gpu_layout
-from vllm_kvprune.kernels.triton import block_scores, cuda_ops, nhd_cache, slot_ops
+from vllm_kvprune.kernels.triton import block_scores, nhd_cache, slot_ops
 from vllm_kvprune.policies.paged_eviction import PagedEvictionPolicy
 
 pytestmark = pytest.mark.triton

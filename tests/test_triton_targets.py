@@ -1,6 +1,6 @@
 """Every Triton kernel launch of the kernel tests compiles for real GPUs, here, with no GPU
-(`vllm_kvprune.kernels.triton.targets`): NVIDIA's H100 (sm_90) and AMD's MI250 (gfx90a: 64 KiB
-of shared memory a block, no TF32), with the tiles and precisions the wrappers choose for them.
+(`tools/triton_targets.py`): NVIDIA's H100 (sm_90) and AMD's MI250 (gfx90a: 64 KiB of shared
+memory a block, no TF32), with the tiles and precisions the wrappers choose for them.
 And the check can fail: the launches the wrappers chose before they read the GPU's limits (an
 fp32 key tile of 128 x 64 dims, TF32 dots) are refused for AMD's GPUs."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tools import triton_targets as targets
 from vllm_kvprune.kernels import triton as kernels
-from vllm_kvprune.kernels.triton import targets
 
 KERNELS = {"_attention_mass_kernel", "_head_page_attention_kernel", "_reduced_attention_kernel",
            "_combine_splits_kernel", "_vote_kernel", "_write_packed_kernel", "_write_slots_kernel",

@@ -15,11 +15,13 @@ from vllm_kvprune import vllm_hooks
 from vllm_kvprune.vllm_hooks import HOOKS, Hook
 
 PACKAGE = Path(vllm_hooks.__file__).parent
-# Modules of the plugin that run inside vLLM; the benchmarks, references, asset builders and the
-# Ray batch job use vLLM's public API (LLM, SamplingParams) or none.
-OUTSIDE_THE_PLUGIN = ("bench", "reference", "assets.py", "model_zoo.py", "cli.py", "batch.py", "vllm_hooks.py",
-                      "vllm_hooks_rope.py")
+# Modules of the plugin that run inside vLLM; the references, the command line and the Ray batch
+# job use vLLM's public API (LLM, SamplingParams) or none.
+OUTSIDE_THE_PLUGIN = ("reference", "cli.py", "batch.py", "vllm_hooks.py", "vllm_hooks_rope.py")
 PUBLIC_VLLM = ("vllm.exceptions", "vllm.platforms")
+# What lives beside the package in the repository and is not installed with it: the package
+# imports none of it.
+NOT_INSTALLED = ("benchmarks", "tools", "tests", "support")
 
 
 @pytest.mark.parametrize("hook", HOOKS, ids=[hook.target for hook in HOOKS])
@@ -100,3 +102,53 @@ def test_the_plugin_reaches_vllm_internals_only_through_the_hooks_module() -> No
                 if (name == "vllm" or name.startswith("vllm.")) and not name.startswith(PUBLIC_VLLM):
                     offenders.append(f"{relative}:{node.lineno} imports {name}")
     assert not offenders, offenders
+
+
+def _imported_names(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, module) of every import in `tree`: import statements (a relative one by what it
+    names after its dots), `importlib.import_module("...")` and `__import__("...")` on a string,
+    and `-m MODULE` in a literal command list."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module))
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str):
+            function = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+            if function in ("import_module", "__import__"):
+                found.append((node.lineno, node.args[0].value))
+        elif isinstance(node, (ast.List, ast.Tuple)):
+            words = [element.value if isinstance(element, ast.Constant) else None for element in node.elts]
+            found += [(node.lineno, module) for flag, module in zip(words, words[1:])
+                      if flag == "-m" and isinstance(module, str)]
+    return found
+
+
+def test_the_package_imports_nothing_that_is_not_installed_with_it() -> None:
+    """Serving code only under vllm_kvprune/: the benchmarks, the tools and the tests' support
+    live beside it in the repository, and a module of the package that imported them would
+    fail wherever the package is installed without its checkout."""
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE).as_posix()
+        for line, name in _imported_names(ast.parse(path.read_text())):
+            if name.split(".")[0] in NOT_INSTALLED:
+                offenders.append(f"{relative}:{line} imports {name}")
+    assert not offenders, offenders
+
+
+def test_the_import_check_sees_every_form() -> None:
+    source = """
+import benchmarks.common
+from tools import assets
+from .tests import x
+importlib.import_module("support.gpu_on_cpu")
+__import__("tools.triton_targets")
+subprocess.run([sys.executable, "-m", "benchmarks", "results"])
+from vllm_kvprune import machine
+"""
+    names = sorted(name for _, name in _imported_names(ast.parse(source)))
+    assert names == ["benchmarks", "benchmarks.common", "support.gpu_on_cpu", "tools", "tools.triton_targets",
+                     "vllm_kvprune"]

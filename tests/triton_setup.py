@@ -24,7 +24,8 @@ if DEVICE == "cpu":
     # call ("Cannot call @triton.jit'd outside of the scope of a kernel").
     import triton.language  # noqa: E402,F401
 
-if os.environ.get("KVPRUNE_RECORD_TRITON"):  # vllm_kvprune.kernels.triton.targets records the launches
-    from vllm_kvprune.kernels.triton.targets import RECORD_VARIABLE, install_recorder
+if os.environ.get("KVPRUNE_RECORD_TRITON") or os.environ.get("KVPRUNE_TRITON_TARGET"):
+    # The compile check (tools/triton_targets.py) records the launches, chosen as on its target.
+    from tools.triton_targets import install_from_environment
 
-    install_recorder(os.environ[RECORD_VARIABLE])
+    install_from_environment()

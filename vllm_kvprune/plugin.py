@@ -13,7 +13,7 @@ import logging
 import sys
 from pathlib import Path
 
-from vllm_kvprune import admission, gpu_on_cpu, http_settings, unsupported, vllm_hooks
+from vllm_kvprune import admission, http_settings, unsupported, vllm_hooks
 
 from vllm_kvprune.config import (
     ADDITIONAL_CONFIG_KEY,
@@ -249,7 +249,7 @@ def _adjust_vllm_config(vllm_config, policy: KVPolicyConfig) -> None:
     unsupported.check_model(policy.name, vllm_config.model_config)
     if current_platform.is_cpu():
         worker_cls, stock_worker = WORKER_CLS, "vllm.v1.worker.cpu_worker.CPUWorker"
-        if gpu_on_cpu.active():  # tests: a GPU wrapper on the CPU
+        if vllm_hooks.gpu_wrapper_on_cpu() is not None:  # tests: a GPU wrapper on the CPU
             _check_gpu_policy(policy)
     elif current_platform.is_cuda_alike():
         worker_cls, stock_worker = GPU_WORKER_CLS, "vllm.v1.worker.gpu_worker.Worker"

@@ -26,7 +26,6 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from vllm_kvprune import gpu_on_cpu
 from vllm_kvprune.hook_contracts import (  # noqa: F401 - the contract API, read through this module
     HOOKS,
     Hook,
@@ -179,22 +178,42 @@ def install_prompt_check(check: Callable[[Any, int], None]) -> None:
     InputProcessor._validate_prompt_len = validate_prompt_len
 
 
+# Tests only: the GPU backend (TRITON_ATTN, FLASH_ATTN) whose wrapper a CPU engine registers in
+# place of the CPU one, and what readies vLLM's CPU build for it first. None (always, in a user's
+# engine): the CPU wrapper. Set by `run_gpu_wrapper_on_cpu`.
+_gpu_wrapper_on_cpu: tuple[str, Callable[[], None]] | None = None
+
+
+def run_gpu_wrapper_on_cpu(backend: str, prepare: Callable[[], None]) -> None:
+    """Tests only: the CPU engines this process builds from now on run `backend`'s GPU wrapper in
+    place of the CPU one, so the GPU path is tested on a machine without a GPU. Call it before
+    the plugin registers (at the process's first engine); `prepare` runs then, just before the
+    wrapper is registered, and makes vLLM's CPU build able to run that backend's classes on CPU
+    tensors (tests/support/gpu_on_cpu.py: vLLM's Triton kernels in Triton's interpreter,
+    FlashAttention's ops by torch references)."""
+    global _gpu_wrapper_on_cpu
+    if backend not in ("TRITON_ATTN", "FLASH_ATTN"):
+        raise ValueError(f"no GPU wrapper for backend {backend!r} (TRITON_ATTN or FLASH_ATTN)")
+    _gpu_wrapper_on_cpu = (backend, prepare)
+
+
+def gpu_wrapper_on_cpu() -> str | None:
+    """The GPU backend whose wrapper a CPU engine runs (`run_gpu_wrapper_on_cpu`), else None."""
+    return None if _gpu_wrapper_on_cpu is None else _gpu_wrapper_on_cpu[0]
+
+
 def install_backend(cpu_class_path: str, gpu_class_paths: dict[str, str]) -> None:
     """Our wrappers in place of vLLM's backends: CPU_ATTN on a CPU; on CUDA/ROCm each GPU
-    backend we wrap (`gpu_class_paths`: vLLM's backend name -> our class).
-    With `VLLM_KVPRUNE_TRITON_ON_CPU=1` (tests only) a CPU engine runs the TRITON_ATTN
-    wrapper instead, vLLM's Triton kernels and ours in Triton's interpreter
-    (`TRITON_INTERPRET=1`); with `=FLASH_ATTN` the FLASH_ATTN wrapper, vLLM's FlashAttention
-    ops given by torch references (`kernels/flash_reference.py`), ours interpreted
-    (`gpu_on_cpu.py`)."""
+    backend we wrap (`gpu_class_paths`: vLLM's backend name -> our class). In tests a CPU
+    engine may run a GPU wrapper instead (`run_gpu_wrapper_on_cpu`)."""
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     if current_platform.is_cpu():
         # CpuPlatform ignores --attention-backend; overriding the CPU_ATTN member is the way in.
-        wrapped = gpu_on_cpu.wrapped_backend()
-        if wrapped is not None:
-            gpu_on_cpu.prepare(wrapped)
+        if _gpu_wrapper_on_cpu is not None:
+            wrapped, prepare = _gpu_wrapper_on_cpu
+            prepare()
             register_backend(AttentionBackendEnum.CPU_ATTN, gpu_class_paths[wrapped])
         else:
             register_backend(AttentionBackendEnum.CPU_ATTN, cpu_class_path)

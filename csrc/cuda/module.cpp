@@ -1,7 +1,8 @@
-// Module init of the installed extension, so that `import vllm_kvprune._cuda_C` loads the
-// shared object and with it the TORCH_LIBRARY registrations of slot_ops.cu (the ops live in
-// torch.ops.kvprune_cuda; the module itself exposes nothing). Not part of the JIT build of
-// cuda_ops.load_cuda_ops, which loads the library with torch.ops.load_library instead.
+// Module init of the extension setup.py builds when asked (VLLM_KVPRUNE_CUDA_SLOT_OPS=1), so that
+// `import vllm_kvprune._cuda_C` loads the shared object and with it the TORCH_LIBRARY
+// registrations of slot_ops.cu (the ops live in torch.ops.kvprune_cuda; the module itself
+// exposes nothing). Not part of the JIT build of benchmarks/cuda_ops.py's load_cuda_ops, which
+// loads the library with torch.ops.load_library instead.
 #include <Python.h>
 
 static struct PyModuleDef kvprune_cuda_module = {PyModuleDef_HEAD_INIT, "_cuda_C",

@@ -6,9 +6,9 @@
 //   (s / block_size) * stride0 + h * stride1 + (s % block_size) * stride2 + d * stride3,
 // V at the same place plus D * stride3. Slots are integer [n] (one slot for all heads) or
 // [n, H] (per head); slot -1 is skipped on write and reads as zeros. The ops check shapes,
-// dtypes and devices but not the slot range (that needs a device sync): the Python wrappers
-// in vllm_kvprune/kernels/triton/cuda_ops.py do; here a slot outside [0, num_slots) is
-// treated like -1 so a bad slot can never address memory outside the cache.
+// dtypes and devices but not the slot range (that needs a device sync): the Python wrappers in
+// benchmarks/cuda_ops.py do; here a slot outside [0, num_slots) is treated like -1 so a bad slot
+// can never address memory outside the cache.
 // copy_slots reads every source into temporaries before writing, so overlapping source and
 // destination sets (compaction) are safe; pairs with destination -1 are skipped.
 #include <ATen/ATen.h>

@@ -1,7 +1,7 @@
 // FDC's projections as one CUTLASS grouped GEMM: every KV head's (or query head's) product with
 // its own rotation cut to its own rank, in one launch, on tensor cores at fp32 accuracy (3xTF32).
 // Torch-free on purpose: this file and fdc_projections.cu compile with nvcc and CUTLASS's headers
-// alone (the compile check, vllm_kvprune/kernels/cutlass_check.py); fdc_projections_op.cu is the
+// alone (the compile check, tools/cutlass_check.py); fdc_projections_op.cu is the
 // torch binding that the GPU build adds.
 #pragma once
 

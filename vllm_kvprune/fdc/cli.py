@@ -114,11 +114,13 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 
 
 def _essay_sequences(model: Path, tokens: int, seq_len: int) -> list[list[int]]:
+    """The first `tokens` tokens of the essays (`fdc.essays`), in sequences of `seq_len`."""
     from transformers import AutoTokenizer
 
-    from vllm_kvprune.bench.accuracy.task import essay_token_ids
+    from vllm_kvprune.fdc.essays import essays_text
 
-    ids = essay_token_ids(AutoTokenizer.from_pretrained(str(model)))[:tokens]
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    ids = tokenizer(essays_text(), add_special_tokens=False)["input_ids"][:tokens]
     return [ids[start:start + seq_len] for start in range(0, len(ids), seq_len)]
 
 
@@ -192,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rate = search.rate
     result.save(args.out)
     print(fdc.describe(result))
-    from vllm_kvprune.bench.common import machine_info
+    from vllm_kvprune.machine import machine_info
 
     report = {"settings": result.settings, "machine": machine_info(), **fdc.spectrum_summary(result)}
     if args.compare is not None:

@@ -23,12 +23,6 @@ from dataclasses import dataclass
 
 import torch
 
-# Names a GPU (`targets.TARGETS`: sm_90, gfx942, ...) whose limits the kernels' tile and
-# precision choices follow instead of the running device's: how the compile check
-# (`python -m vllm_kvprune.kernels.triton.targets`) records, in the interpreter, the launches
-# that GPU would get.
-TARGET_VARIABLE = "KVPRUNE_TRITON_TARGET"
-
 
 def interpreted() -> bool:
     """Whether Triton kernels run in the interpreter (set ``TRITON_INTERPRET=1`` before the
@@ -47,29 +41,29 @@ class DeviceLimits:
 # The interpreter without a named target: NVIDIA's precisions, no shared-memory limit (the
 # choices the kernels had before the limits were read, tuned on an H100).
 _INTERPRETER_LIMITS = DeviceLimits(None, ("ieee", "tf32", "tf32x3"))
+# A GPU that is not here whose limits the kernels choose for instead (`set_target_gpu`).
+_target_limits: DeviceLimits | None = None
 
 
 def device_limits(device: torch.device | str | None = None) -> DeviceLimits:
-    """The limits of the GPU `device`'s kernels compile for: `KVPRUNE_TRITON_TARGET`'s where it
-    is set, else the running driver's (Triton's own answers: its backend's accepted precisions,
-    the device's `max_shared_mem`), else none in the interpreter."""
-    named = os.environ.get(TARGET_VARIABLE)
-    if named:
-        return _target_limits(named)
+    """The limits of the GPU `device`'s kernels compile for: those of the GPU `set_target_gpu`
+    named, where it was called, else the running driver's (Triton's own answers: its backend's
+    accepted precisions, the device's `max_shared_mem`), else none in the interpreter."""
+    if _target_limits is not None:
+        return _target_limits
     if interpreted():
         return _INTERPRETER_LIMITS
     index = torch.device(device).index if device is not None else None
     return _driver_limits(torch.cuda.current_device() if index is None else index)
 
 
-@functools.cache
-def _target_limits(name: str) -> DeviceLimits:
-    from vllm_kvprune.kernels.triton.targets import TARGETS
-
-    if name not in TARGETS:
-        raise ValueError(f"{TARGET_VARIABLE}={name!r} is not one of {sorted(TARGETS)}")
-    target = TARGETS[name]
-    return DeviceLimits(target.max_shared_bytes, _precisions(target.backend, target.arch, target.warp_size))
+def set_target_gpu(backend: str, arch: int | str, warp_size: int, max_shared_bytes: int) -> None:
+    """From now on in this process, choose tiles and precisions as on this GPU (Triton's
+    `backend` and `arch`, its warp size, one block's shared memory) instead of the running
+    device's: how the compile check (tools/triton_targets.py) records, in the interpreter, the
+    launches a GPU that is not here would get."""
+    global _target_limits
+    _target_limits = DeviceLimits(max_shared_bytes, _precisions(backend, arch, warp_size))
 
 
 @functools.cache

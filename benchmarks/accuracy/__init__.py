@@ -1,0 +1,216 @@
+"""`python -m benchmarks accuracy`: what each policy keeps is worth, on the real model.
+
+Tasks (one file each): streaming perplexity over essays (`perplexity.py`), needle in a
+haystack over 1K-7K contexts and 0-100% depths (`needle.py`), key-value retrieval
+(`kv_retrieval.py`) and arithmetic word problems (`arithmetic.py`), all built from `--seed`.
+Every budgeted policy runs at every budget; `none` (the full cache) is the ceiling; budget-free
+`gvote` runs at each of its settings (the paper's sweeps over p and S) and meets the others at
+equal KV memory (`memory.py`: blocks held while answering, read from vLLM's block pool).
+kvpress's matching presses (StreamingLLM, ObservedAttention, KNorm) run the prompt tasks on
+the same prompts at matched kept-token counts, in their own venv (`scripts/setup_kvpress.sh`);
+`--reuse-kvpress` takes their records from the files of an earlier run with the same cases.
+
+Each task prints its tables and writes `accuracy_<task>.json` and its plots to `--out-dir`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.accuracy.arithmetic import Arithmetic
+from benchmarks.accuracy.kv_retrieval import KVRetrieval
+from benchmarks.accuracy.needle import Needle
+from benchmarks.accuracy.perplexity import Perplexity
+from benchmarks.accuracy.task import Case, Task
+
+NAME = "accuracy"
+TASK_TYPES: dict[str, type[Task]] = {"perplexity": Perplexity, "needle": Needle, "kv_retrieval": KVRetrieval,
+                                     "arithmetic": Arithmetic}
+TASK_NAMES = tuple(TASK_TYPES)
+POLICIES = ("streaming", "h2o", "paged_eviction", "gvote")
+CHOICES = (*POLICIES, "paged_eviction_paper")  # an ablation (ours.VARIANTS), on request
+# Settings that decide which cases a task builds and how kvpress ran them: an earlier run's
+# kvpress records are reused only where all of these match.
+KVPRESS_REUSE_KEYS = ("tiny", "seed", "sinks", "dtype", "ppl_segments", "ppl_tokens", "needle_contexts", "needle_depths",
+                      "kv_cases", "arith_cases", "kvpress_max_prompt", "kvpress_cases")
+
+
+def build_tasks(args: argparse.Namespace) -> list[Task]:
+    made = {
+        "perplexity": lambda: Perplexity(args.ppl_segments, args.ppl_tokens),
+        "needle": lambda: Needle(args.needle_contexts, args.needle_depths, args.needle_budgets),
+        "kv_retrieval": lambda: KVRetrieval(args.kv_cases),
+        "arithmetic": lambda: Arithmetic(args.arith_cases),
+    }
+    tasks = [made[name]() for name in args.tasks]
+    for task in tasks:  # resolved once here: a task's own budgets, else the suite's
+        task.budgets = task.budgets or list(args.budgets)
+    return tasks
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(NAME, help="accuracy of every policy and budget, with kvpress side by side",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tasks", nargs="+", default=list(TASK_NAMES), choices=TASK_NAMES)
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=CHOICES,
+                        help="paged_eviction_paper: paged_eviction by the paper's own rule (kv_sinks 0, kv_recent 0: "
+                             "no protected sinks or newest block), an ablation")
+    parser.add_argument("--budgets", type=int, nargs="+", default=[128, 256, 512, 1024])
+    parser.add_argument("--sinks", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ppl-segments", type=int, default=4, help="essay segments for perplexity")
+    parser.add_argument("--ppl-tokens", type=int, default=2048, help="tokens per perplexity segment")
+    parser.add_argument("--needle-contexts", type=int, nargs="+", default=[1024, 3072, 5120, 7168])
+    parser.add_argument("--needle-depths", type=int, nargs="+", default=[0, 25, 50, 75, 100], help="percent")
+    parser.add_argument("--needle-budgets", type=int, nargs="+", default=[256, 1024, 2048],
+                        help="budgets of the needle task (its long prompts make it the slowest)")
+    parser.add_argument("--gvote-p", type=float, nargs="+", default=[0.85, 0.9, 0.95, 0.99],
+                        help="gvote's p_nuc values, each at the default sample count (the paper's Fig. 7)")
+    parser.add_argument("--gvote-samples", type=int, nargs="+", default=[1, 4, 8, 16],
+                        help="gvote's sample counts, each at the default p (the paper's Fig. 8)")
+    parser.add_argument("--kv-cases", type=int, default=40)
+    parser.add_argument("--arith-cases", type=int, default=40)
+    parser.add_argument("--pool-gib", type=float, default=2.0, help="KV pool of each engine")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                        help="model dtype on both sides (float32 is faster on CPUs without bf16 instructions)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="run our engines eagerly (skips vLLM's compilation: quicker for a small run)")
+    parser.add_argument("--kvpress", action=argparse.BooleanOptionalAction, default=True,
+                        help="run kvpress's presses side by side (needs scripts/setup_kvpress.sh)")
+    parser.add_argument("--reuse-kvpress", action="store_true",
+                        help="take kvpress's records from --out-dir's files of an earlier run with the same cases "
+                             "instead of running kvpress again")
+    parser.add_argument("--kvpress-max-prompt", type=int, default=2200,
+                        help="longest prompt kvpress runs (its ObservedAttention needs eager attention, "
+                             "about 45 s for a 4K prompt here)")
+    parser.add_argument("--kvpress-cases", type=int, default=16,
+                        help="kvpress runs the first N cases of each task (its decoding is slow)")
+    parser.add_argument("--kvpress-threads", type=int, default=2)
+    parser.add_argument("--kvpress-timeout", type=float, default=1800, help="seconds per kvpress job")
+    parser.add_argument("--tiny", action="store_true",
+                        help="the tiny random Llama instead of SmolLM2 (SmolLM2's tokenizer; a smoke run of the "
+                             "whole pipeline, its scores mean nothing)")
+    parser.add_argument("--out-dir", default="results")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from benchmarks import common
+
+    for name, value in common.ENGINE_ENV.items():
+        os.environ.setdefault(name, value)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engines in this process, one at a time
+    reused = load_kvpress_records(args) if args.kvpress and args.reuse_kvpress else None
+    if args.kvpress and reused is None:
+        from benchmarks.kvpress_runner import kvpress_python
+
+        kvpress_python()  # fails now, naming the setup script, rather than after the engines ran
+    from transformers import AutoTokenizer
+
+    from benchmarks.accuracy import kvpress_side, ours
+    from tools import assets
+
+    model = str(assets.tiny_model_dir() if args.tiny else assets.real_model_dir())
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tasks = build_tasks(args)
+    work: list[tuple[Task, list[Case]]] = [(t, t.build(tokenizer, random.Random(f"{args.seed}-{t.name}"))) for t in tasks]
+    started = time.perf_counter()
+    records: list[dict[str, Any]] = []
+    timings: list[dict[str, Any]] = []
+    press_work = [(t, [c for c in cases if len(c.prompt_ids) <= args.kvpress_max_prompt][:args.kvpress_cases])
+                  for t, cases in work if t.kvpress_can_run and args.kvpress]
+    gvote = ours.gvote_settings(args.gvote_p, args.gvote_samples)
+    for policy in ("none", *args.policies):
+        found, timed = ours.run_policy(model, policy, work, args.sinks, args.pool_gib, press_work, gvote,
+                                       dtype=args.dtype, enforce_eager=args.enforce_eager)
+        records += found
+        timings += timed
+    pairs = {policy: kvpress_side.PRESS_OF_POLICY[policy] for policy in args.policies
+             if policy in kvpress_side.PRESS_OF_POLICY}
+    if reused is not None:
+        wanted = {"none", *pairs.values()}
+        records += [r for r in reused[0] if r["method"] in wanted]
+        timings += [t for t in reused[1] if t["method"] in wanted]
+    elif args.kvpress:
+        full_cache: dict = {}
+        for press in ("none", *pairs.values()):
+            found, timed = kvpress_side.run_press(model, press, press_work, tokenizer, args.sinks,
+                                                  args.kvpress_threads, full_cache, args.kvpress_timeout, args.dtype)
+            records += found
+            timings += timed
+    write_reports(args, tasks, records, timings, pairs, time.perf_counter() - started)
+    return 0
+
+
+def write_reports(args: argparse.Namespace, tasks: list[Task], records: list[dict[str, Any]],
+                  timings: list[dict[str, Any]], pairs: dict[str, str], run_seconds: float) -> None:
+    from benchmarks import common
+    from benchmarks.accuracy import memory, report
+    from benchmarks.accuracy.ours import ENGINE_OPTIONS
+
+    settings = {key: getattr(args, key) for key in (
+        "tasks", "policies", "budgets", "sinks", "seed", "ppl_segments", "ppl_tokens", "needle_contexts",
+        "needle_depths", "needle_budgets", "kv_cases", "arith_cases", "kvpress", "kvpress_max_prompt", "kvpress_cases",
+        "kvpress_threads", "dtype", "gvote_p", "gvote_samples", "reuse_kvpress")}
+    settings.update(model="tiny" if args.tiny else "SmolLM2-135M-Instruct", engine=dict(ENGINE_OPTIONS, dtype=args.dtype,
+                                                                enforce_eager=args.enforce_eager), run_s=run_seconds,
+                    press_of_policy=pairs)
+    found_by_task = {}
+    for task in tasks:
+        mine = [r for r in records if r["task"] == task.name]
+        headers, rows = report.budget_table(task, mine, task.budgets)
+        print(f"\n{task.name} ({task.metric}{', lower is better' if task.lower_is_better else ''})")
+        common.print_table(headers, rows)
+        extra: dict[str, Any] = {"table": {"headers": headers, "rows": rows}, "metric": task.metric,
+                                 "timings": [t for t in timings if t["task"] == task.name]}
+        if args.kvpress and task.kvpress_can_run:
+            side_headers, side_rows = report.side_by_side(task, mine, pairs, timings)
+            print(f"\n{task.name}: ours and kvpress on the same cases")
+            common.print_table(side_headers, side_rows)
+            extra["side_by_side"] = {"headers": side_headers, "rows": side_rows}
+        found = memory.points(task, mine)
+        out = Path(args.out_dir) / f"accuracy_{task.name}.json"
+        if any(p.method in report.BUDGET_FREE for p in found):
+            found_by_task[task.name] = (task, found)
+            print(f"\n{task.name} at equal KV memory")
+            common.print_table(*memory.memory_table(task, found))
+            common.print_table(*memory.equal_memory_table(task, found))
+            memory.plot_vs_memory(task, found, out.with_name(out.stem + "_memory.png"))
+        common.write_json(out, f"{NAME}-{task.name}", settings, mine, **extra)
+        task.plot(mine, out.with_suffix(".png"))
+        print(f"wrote {out} and its plots")
+    if found_by_task:
+        print("\ngvote's sweeps (the paper's Fig. 7 and 8)")
+        common.print_table(*memory.sweep_rows(found_by_task))
+        memory.plot_sweeps(found_by_task, Path(args.out_dir) / "accuracy_gvote_sweeps.png")
+
+
+def load_kvpress_records(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """kvpress's records and timings from `--out-dir`'s files of an earlier run whose cases and
+    kvpress settings are this run's; an error naming the first that differs otherwise."""
+    from benchmarks.accuracy.report import KVPRESS
+
+    records, timings = [], []
+    for name in args.tasks:
+        path = Path(args.out_dir) / f"accuracy_{name}.json"
+        if not TASK_TYPES[name].kvpress_can_run:
+            continue
+        if not path.is_file():
+            raise SystemExit(f"--reuse-kvpress: {path} does not exist (run once without --reuse-kvpress)")
+        document = json.loads(path.read_text())
+        earlier = document.get("settings", {})
+        for key in KVPRESS_REUSE_KEYS:
+            if earlier.get(key) != getattr(args, key):
+                raise SystemExit(f"--reuse-kvpress: {path} was run with {key}={earlier.get(key)!r}, "
+                                 f"this run has {getattr(args, key)!r}")
+        budgets = {None, *(args.needle_budgets if name == "needle" else args.budgets)}
+        records += [r for r in document["results"] if r["system"] == KVPRESS and r["budget"] in budgets]
+        timings += [t for t in document.get("timings", []) if t["system"] == KVPRESS]
+    return records, timings
+

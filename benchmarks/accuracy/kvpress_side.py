@@ -1,0 +1,77 @@
+"""kvpress's side: the presses that match our policies, on the same model, prompts and budgets.
+
+kvpress prunes a prompt's cache once, after its prefill, and then decodes without evicting.
+A budget B of ours keeps B - 1 prompt tokens after the prefill (the next query is the B-th),
+so kvpress is asked to keep exactly B - 1 of a P-token prompt. Budgets that keep the whole
+prompt are kvpress's full-cache run, reused rather than run again.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+from benchmarks.accuracy.report import KVPRESS
+from benchmarks.accuracy.task import Answer, Case, Task
+from benchmarks.kvpress_runner import run_kvpress
+
+# Our policy -> the kvpress press that keeps tokens by the same rule.
+PRESS_OF_POLICY = {"streaming": "StreamingLLMPress", "h2o": "ObservedAttentionPress", "paged_eviction": "KnormPress"}
+
+
+def compression_ratio(prompt_tokens: int, kept: int) -> float:
+    """The ratio for which kvpress keeps exactly `kept` tokens: it keeps int(P * (1 - ratio)),
+    so aim half a token above `kept` to stay clear of float rounding."""
+    return 1.0 - (kept + 0.5) / prompt_tokens
+
+
+def prunes(case: Case, budget: int) -> bool:
+    """Whether keeping budget - 1 tokens drops any of the case's prompt."""
+    return budget - 1 < len(case.prompt_ids)
+
+
+def matched_runs(cases: Sequence[Case], budgets: Sequence[int] | None) -> list[tuple[Case, int | None]]:
+    """(case, budget) pairs kvpress runs: every case under the full cache (`budgets` None), else
+    the budgets that prune the prompt (the others are the full-cache run again)."""
+    if budgets is None:
+        return [(case, None) for case in cases]
+    return [(case, b) for b in budgets for case in cases if prunes(case, b)]
+
+
+def press_spec(press: str, sinks: int) -> dict[str, Any]:
+    return {"name": press, "n_sink": sinks} if press == "StreamingLLMPress" else {"name": press}
+
+
+def run_press(model: str, press: str, work: Sequence[tuple[Task, list[Case]]],
+              tokenizer: Any, sinks: int, threads: int, full_cache: dict[tuple[str, str], Answer],
+              timeout: float, dtype: str = "bfloat16") -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Records and timings of one press (`none`: full cache) on the tasks kvpress can run.
+    `full_cache` maps (task, case id) to kvpress's full-cache answer; `none` fills it."""
+    records, timings = [], []
+    for task, cases in work:
+        runs = matched_runs(cases, None if press == "none" else task.budgets)
+        job = {"model": model, "prompts": [case.prompt_ids for case, _ in runs], "max_new_tokens": max(
+            (case.max_tokens for case, _ in runs), default=1), "dtype": dtype, "threads": threads,
+            "stop_at_eos": True, "press": {"name": "none"} if press == "none" else press_spec(press, sinks),
+            "compression_ratios": [None if b is None else compression_ratio(len(c.prompt_ids), b - 1) for c, b in runs]}
+        print(f"[{KVPRESS} {press}] {task.name}: {len(runs)} runs", flush=True)
+        started = time.perf_counter()
+        result = run_kvpress(job, timeout) if runs else {"results": []}
+        seconds = sum(r["seconds"] for r in result["results"])
+        timings.append({"system": KVPRESS, "method": press, "task": task.name, "seconds": seconds, "runs": len(runs),
+                        "wall_seconds": time.perf_counter() - started, "versions": result.get("versions"),
+                        "cases": "kvpress"})
+        for (case, budget), generated in zip(runs, result["results"]):
+            if budget is not None and generated["kv_kept"] != budget - 1:
+                raise RuntimeError(f"kvpress {press} kept {generated['kv_kept']} tokens, not {budget - 1}")
+            ids = generated["token_ids"][:case.max_tokens]
+            answer = Answer(ids, tokenizer.decode(ids, skip_special_tokens=True))
+            if press == "none":
+                full_cache[(task.name, case.case_id)] = answer
+            records.append({**task.record(case, KVPRESS, press, budget, answer), "kv_kept": generated["kv_kept"]})
+        if press != "none":  # budgets that keep the whole prompt: the full-cache answer
+            for budget in task.budgets:
+                for case in cases:
+                    if not prunes(case, budget) and (task.name, case.case_id) in full_cache:
+                        records.append(task.record(case, KVPRESS, press, budget, full_cache[(task.name, case.case_id)]))
+    return records, timings

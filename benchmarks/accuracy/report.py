@@ -1,0 +1,159 @@
+"""Tables and plots of the accuracy records, shared by every task.
+
+A record is one answer: `task`, `case_id`, `system` (`vllm-kvprune` or `kvpress`), `method`
+(our policy or kvpress's press), `budget` (None: full cache, or a budget-free policy), the
+task's score fields and, for ours, `kv_blocks` (the blocks the request held while answering)
+and a budget-free policy's settings (`gvote_p`, `gvote_samples`).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from benchmarks.accuracy.task import Task
+
+OURS = "vllm-kvprune"
+KVPRESS = "kvpress"
+FULL_CACHE = "full cache"
+# Policies with no budget: each request's memory is theirs to choose, so they are compared
+# with the others at equal memory, one point per setting.
+BUDGET_FREE = ("gvote",)
+
+
+def method_keys(records: Iterable[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(system, method) pairs in the order they first appear."""
+    return list(dict.fromkeys((r["system"], r["method"]) for r in records))
+
+
+def grouped(records: Iterable[dict[str, Any]]) -> dict[tuple[str, str, int | None], list[dict[str, Any]]]:
+    groups: dict[tuple[str, str, int | None], list[dict[str, Any]]] = defaultdict(list)
+    for record in records:
+        groups[(record["system"], record["method"], record["budget"])].append(record)
+    return groups
+
+
+def budget_table(task: Task, records: Sequence[dict[str, Any]],
+                 budgets: Sequence[int]) -> tuple[list[str], list[list[str]]]:
+    """One row per (system, method): the task's metric at each budget, or under the full cache,
+    and how many cases it ran (kvpress runs fewer)."""
+    records = [r for r in records if r["method"] not in BUDGET_FREE]
+    groups = grouped(records)
+    headers = ["system", "method", "cases", FULL_CACHE, *map(str, budgets)]
+    rows = []
+    for system, method in method_keys(records):
+        cells = [groups.get((system, method, budget)) for budget in (None, *budgets)]
+        cases = len({r["case_id"] for r in records if (r["system"], r["method"]) == (system, method)})
+        rows.append([system, method, str(cases), *("-" if not c else task.format(task.aggregate(c)) for c in cells)])
+    return headers, rows
+
+
+def side_by_side(task: Task, records: Sequence[dict[str, Any]], pairs: dict[str, str],
+                 timings: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """Our policy next to its kvpress press on exactly the cases both ran at each budget, with
+    each side's wall time per run (prompt and answer) over kvpress's runs of this task, and in
+    how many of those cases both gave the same answer text."""
+    groups = grouped(records)
+    seconds = {(t["system"], t["method"]): t["seconds"] / max(t["runs"], 1) for t in timings
+               if t["task"] == task.name and t.get("cases") == "kvpress"}
+    headers = ["budget", "ours", task.metric, "s/run", "kvpress", task.metric, "s/run", "same answer"]
+    rows = []
+    for policy, press in [("none", "none"), *pairs.items()]:
+        budgets = sorted({b for (s, m, b) in groups if (s, m) == (KVPRESS, press)}, key=lambda b: -1 if b is None else b)
+        for budget in budgets:
+            theirs = groups[(KVPRESS, press, budget)]
+            shared = {r["case_id"] for r in theirs}
+            ours = [r for r in groups.get((OURS, policy, budget), []) if r["case_id"] in shared]
+            if not ours:
+                continue
+            theirs = [r for r in theirs if r["case_id"] in {r["case_id"] for r in ours}]
+            their_answer = {r["case_id"]: r.get("answer", "").strip() for r in theirs}
+            same = sum(r.get("answer", "").strip() == their_answer[r["case_id"]] for r in ours)
+            rows.append([FULL_CACHE if budget is None else str(budget),
+                         policy, task.format(task.aggregate(ours)), _seconds(seconds.get((OURS, policy))),
+                         press, task.format(task.aggregate(theirs)), _seconds(seconds.get((KVPRESS, press))),
+                         f"{same}/{len(ours)}"])
+    return headers, rows
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def plot_vs_budget(task: Task, records: Sequence[dict[str, Any]], path: Path) -> None:
+    """The metric against the budget, one line per method; full-cache runs as flat lines."""
+    from benchmarks import common
+
+    groups = grouped(r for r in records if r["method"] not in BUDGET_FREE)
+    figure, axes = common.new_figure(6.5, 4.0)
+    for system, method in method_keys(records):
+        style = "-" if system == OURS else "--"
+        label = method if system == OURS else f"kvpress {method}"
+        budgets = sorted(b for (s, m, b) in groups if (s, m) == (system, method) and b is not None)
+        if budgets:
+            values = [task.aggregate(groups[(system, method, b)]) for b in budgets]
+            axes.plot(budgets, values, style, marker="o", label=label)
+        elif (system, method, None) in groups:
+            axes.axhline(task.aggregate(groups[(system, method, None)]), linestyle=":" if system == OURS else "-.",
+                         color="black" if system == OURS else "gray", label=f"{label} (full cache)")
+    axes.set_xscale("log", base=2)
+    axes.set_xlabel("KV budget (tokens)")
+    axes.set_ylabel(task.metric)
+    axes.set_title(task.name)
+    axes.legend(fontsize=7)
+    common.save_figure(figure, path)
+
+
+def plot_heat_maps(records: Sequence[dict[str, Any]], contexts: Sequence[int], depths: Sequence[int],
+                   path: Path) -> None:
+    """The usual needle picture: hit (green) or miss (red) by context length and depth, one
+    panel per method and budget (ours only; a budget-free policy at its default setting)."""
+    from benchmarks import common
+
+    default = default_setting()
+    groups = grouped(r for r in records if r["system"] == OURS and (
+        r["method"] not in BUDGET_FREE or (r.get("gvote_p"), r.get("gvote_samples")) == default))
+    panels = heat_map_panels(groups)
+    rows = 1 + max(row for row, _, _ in panels.values())
+    columns = 1 + max(column for _, column, _ in panels.values())
+    figure, _ = common.new_figure(2.6 * columns, 2.2 * rows + 0.4)
+    figure.clf()
+    for key, (row, column, title) in panels.items():
+        hit = {(r["facts"]["context"], r["facts"]["depth"]): r["hit"] for r in groups[key]}
+        grid = [[float(hit.get((c, d), float("nan"))) for c in contexts] for d in depths]
+        panel = figure.add_subplot(rows, columns, row * columns + column + 1)
+        panel.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+        panel.set_title(title, fontsize=8)
+        panel.set_xticks(range(len(contexts)), [f"{c / 1024:g}K" for c in contexts], fontsize=6)
+        panel.set_yticks(range(len(depths)), [f"{d}%" for d in depths], fontsize=6)
+    figure.supxlabel("context length")
+    figure.supylabel("needle depth")
+    common.save_figure(figure, path)
+
+
+def heat_map_panels(groups: dict[tuple[str, str, int | None], list[dict[str, Any]]]) -> dict[tuple, tuple[int, int, str]]:
+    """(row, column, title) of each (system, method, budget) group's panel: the full cache and
+    each budget-free policy (its records at the default setting) on the first row, then one
+    row per budgeted policy, one column per budget."""
+    p_nuc, samples = default_setting()
+    budgets = sorted({k[2] for k in groups if k[2] is not None})
+    policies = list(dict.fromkeys(k[1] for k in groups if k[2] is not None))
+    free = list(dict.fromkeys(k[1] for k in groups if k[1] in BUDGET_FREE))
+    panels = {}
+    for key in groups:
+        if key[1] in BUDGET_FREE:
+            panels[key] = (0, 1 + free.index(key[1]), f"{key[1]} p={p_nuc:g} S={samples}")
+        elif key[2] is None:
+            panels[key] = (0, 0, key[1])
+        else:
+            panels[key] = (1 + policies.index(key[1]), budgets.index(key[2]), f"{key[1]} {key[2]}")
+    return panels
+
+
+def default_setting() -> tuple[float, int]:
+    """`gvote`'s default (p, S): the setting a budget-free policy is shown at by itself."""
+    from vllm_kvprune.config import KVPolicyConfig
+
+    defaults = KVPolicyConfig(name="gvote")
+    return defaults.gvote_p, defaults.gvote_samples
