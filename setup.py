@@ -5,10 +5,10 @@ All metadata lives in pyproject.toml.
 Install with `pip install --no-build-isolation -e .`: an isolated build environment would
 download the registry's newest (CUDA) torch instead of compiling against the installed one.
 Environment knobs:
-  VLLM_KVPRUNE_NO_EXT=1        skip the extensions (the package falls back to torch ops)
-  VLLM_KVPRUNE_CPU_ISA=X       force X in {avx512, avx2, generic} instead of reading
+  KVPRUNE_NO_EXT=1        skip the extensions (the package falls back to torch ops)
+  KVPRUNE_CPU_ISA=X       force X in {avx512, avx2, generic} instead of reading
                                /proc/cpuinfo (e.g. to build on one machine for another)
-  VLLM_KVPRUNE_CUDA_SLOT_OPS=1 also build the CUDA slot ops `vllm_kvprune._cuda_C` (csrc/cuda,
+  KVPRUNE_CUDA_SLOT_OPS=1 also build the CUDA slot ops `vllm_kvprune._cuda_C` (csrc/cuda,
                                with a CUDA or ROCm torch and its compiler): a benchmark's
                                (`bench gpu-kernels`, benchmarks/cuda_ops.py), which serving never
                                runs; without it the benchmark JIT-builds them on a CUDA machine
@@ -35,6 +35,11 @@ ISA_COMPILE_ARGS: dict[str, list[str]] = {
 }
 
 
+def _env(name: str) -> str | None:
+    """`KVPRUNE_<name>`, else its name of the last release, `VLLM_KVPRUNE_<name>`."""
+    return os.environ.get(f"KVPRUNE_{name}", os.environ.get(f"VLLM_KVPRUNE_{name}"))
+
+
 def _log(message: str) -> None:
     print(f"[vllm-kvprune setup] {message}", file=sys.stderr)
 
@@ -53,10 +58,10 @@ def cpu_flags() -> set[str]:
 
 def pick_isa(flags: set[str]) -> str:
     """Widest ISA the build machine runs: the .so is built where it is used (editable/CI)."""
-    forced = os.environ.get("VLLM_KVPRUNE_CPU_ISA")
+    forced = _env("CPU_ISA")
     if forced:
         if forced not in ISA_COMPILE_ARGS:
-            raise SystemExit(f"VLLM_KVPRUNE_CPU_ISA={forced!r}; expected one of {sorted(ISA_COMPILE_ARGS)}")
+            raise SystemExit(f"KVPRUNE_CPU_ISA={forced!r}; expected one of {sorted(ISA_COMPILE_ARGS)}")
         return forced
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return "generic"
@@ -77,8 +82,8 @@ def compile_args(isa: str, flags: set[str]) -> list[str]:
 
 def extension_build() -> dict:
     """setup() keywords for the extension, or none when it is disabled or torch is missing."""
-    if os.environ.get("VLLM_KVPRUNE_NO_EXT") == "1":
-        _log("VLLM_KVPRUNE_NO_EXT=1: building without the C++ extension")
+    if _env("NO_EXT") == "1":
+        _log("KVPRUNE_NO_EXT=1: building without the C++ extension")
         return {}
     try:
         from torch.utils.cpp_extension import BuildExtension, CppExtension
@@ -123,11 +128,11 @@ def gpu_extensions() -> list:
 
 
 def slot_op_extensions(toolkit: str, home: str, cpp_extension) -> list:
-    """`vllm_kvprune._cuda_C` (the CUDA slot ops, csrc/cuda) when VLLM_KVPRUNE_CUDA_SLOT_OPS=1 asks
+    """`vllm_kvprune._cuda_C` (the CUDA slot ops, csrc/cuda) when KVPRUNE_CUDA_SLOT_OPS=1 asks
     for it, else none and one line saying so: only a benchmark runs them."""
-    if os.environ.get("VLLM_KVPRUNE_CUDA_SLOT_OPS") != "1":
+    if _env("CUDA_SLOT_OPS") != "1":
         _log("skipping vllm_kvprune._cuda_C (the CUDA slot ops, which only `bench gpu-kernels` runs): "
-             "VLLM_KVPRUNE_CUDA_SLOT_OPS=1 builds it")
+             "KVPRUNE_CUDA_SLOT_OPS=1 builds it")
         return []
     sources = sorted(
         os.path.relpath(path, ROOT)

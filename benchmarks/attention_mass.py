@@ -15,7 +15,7 @@ ranking every request at once, `kernels.victims.lowest_mass_slots_batched`) on C
 
 The kernel's vector code is chosen when the extension is built (AVX-512, AVX2 or portable
 loops): the JSON records the build's ISA, so two builds of one machine compare by running
-this once with each (`VLLM_KVPRUNE_CPU_ISA=avx2 pip install --no-build-isolation -e .`).
+this once with each (`KVPRUNE_CPU_ISA=avx2 pip install --no-build-isolation -e .`).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Serving never runs them (the GPU path writes, reads and copies slots with its Tr
 ``vllm_kvprune/kernels/triton/slot_ops.py``): ``bench gpu-kernels`` times them against those,
 and ``tests/test_triton_slot_ops.py`` checks them on a GPU. :func:`load_cuda_ops` makes the ops
 available: from the extension ``vllm_kvprune._cuda_C`` when ``setup.py`` built it (only when
-asked: ``VLLM_KVPRUNE_CUDA_SLOT_OPS=1``), else (on a machine with a CUDA device, a CUDA build of
+asked: ``KVPRUNE_CUDA_SLOT_OPS=1``), else (on a machine with a CUDA device, a CUDA build of
 torch and nvcc) by JIT-compiling the source with ``torch.utils.cpp_extension.load``. The
 outcome is remembered for the process; :func:`load_error` says why the ops are not available.
 """

@@ -73,24 +73,48 @@ def policy_settings(name: str, shapes: Shapes) -> dict | None:
 
 
 class CacheWrite:
-    """Stands in for vLLM's cache write (the op its impl runs, which writes the slot mapping's
-    slots and skips -1) with the kernel set's own write."""
+    """Stands in for vLLM's impl: its cache write (the op that writes the slot mapping's slots
+    and skips -1) with the kernel set's own write, its attention with our attention kernel
+    without the mass, over `StandInMetadata` (every row's keys up to its own, causally)."""
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         self.kernels.write_slots(layer, key[: len(slot_mapping)], value[: len(slot_mapping)], kv_cache, slot_mapping)
 
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output):
+        self.kernels.attention_mass(layer, query, kv_cache, attn_metadata.block_table, attn_metadata.rows,
+                                    attn_metadata.key_counts, self.scale, None, output, 0.0)
+        return output
+
+
+@dataclasses.dataclass
+class StandInMetadata:
+    """What the stand-in attention and the plans read of a step's metadata."""
+
+    block_table: torch.Tensor
+    rows: torch.Tensor  # [T] each token's row
+    key_counts: torch.Tensor  # [T] physical keys each token attends to
+    num_actual_tokens: int
+
 
 class StepImpl(PolicyAttentionImpl, CacheWrite):
-    """The shared impl's work with `kernels`, outside vLLM (`policy_attention` imports none):
-    the step's plan is set on it (in vLLM it comes with the step's metadata)."""
+    """The shared impl's work with `kernels`, outside vLLM (`policy_attention` imports none): a
+    plan's `LayerCall` reaches vLLM's write and attention through it (`CacheWrite`)."""
 
     def __init__(self, kernels, num_heads: int, num_kv_heads: int, head_size: int) -> None:
-        self.kernels, self.step_plan = kernels, None
+        self.kernels = kernels
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.scale, self.logits_soft_cap = head_size ** -0.5, 0
 
-    def _plan(self, layer):
-        return self.step_plan
+    def layer_step(self, plan, layer, kv_cache, query, key, value, slot_mapping, metadata: StandInMetadata):
+        """One layer's work under `plan`, as the impl does it in vLLM: the write, the attention
+        (the plan's, or vLLM's stood in for), the work after it; returns the attention output."""
+        from vllm_kvprune.worker.layouts import LayerCall
+
+        call = LayerCall(self, layer, kv_cache, plan.worker)
+        plan.write(call, key, value, slot_mapping)
+        output = plan.attend(call, query, key, value, metadata, torch.empty_like(query))
+        plan.after_attention(call, query, metadata)
+        return output
 
 
 class PolicySteps:
@@ -99,7 +123,6 @@ class PolicySteps:
     def __init__(self, policy: dict | None, shapes: Shapes, kernels, device: str, dtype: torch.dtype,
                  layer_names: list[str] | None = None) -> None:
         from vllm_kvprune.config import KVPolicyConfig
-        from vllm_kvprune.worker import runtime
         from vllm_kvprune.worker.state import WorkerKVState
 
         self.shapes, self.device, self.dtype = shapes, device, dtype
@@ -118,7 +141,6 @@ class PolicySteps:
             self.state = WorkerKVState(KVPolicyConfig.from_dict(policy))
             self.state.bind_cache(self.layer_names, num_blocks, shapes.block_size, shapes.kv_heads, shapes.kv_heads,
                                   device=device)
-        runtime.install(self.state)
         self.outputs: list[torch.Tensor] = []
 
     def inputs(self, num_tokens: int, seed: int) -> list[tuple[torch.Tensor, ...]]:
@@ -142,42 +164,35 @@ class PolicySteps:
         query_start_loc = np.concatenate([[0], ends])
         rows = np.repeat(np.arange(len(num_new)), num_new)
         positions = np.concatenate([np.arange(c, c + n) for c, n in zip(num_computed, num_new)])
+        plan = None
         if self.state is None:  # none: token j of a row in slot j, every key attended
-            slots = self.block_rows[rows, positions // self.shapes.block_size].astype(np.int64) \
-                * self.shapes.block_size + positions % self.shapes.block_size
-            plan, seq_lens = SimpleNamespace(slot_mapping=torch.from_numpy(slots), mass_queries=None), num_computed + num_new
+            slots = torch.from_numpy(self.block_rows[rows, positions // self.shapes.block_size].astype(np.int64)
+                                     * self.shapes.block_size + positions % self.shapes.block_size)
+            seq_lens = num_computed + num_new
         else:
             batch = len(num_new)
             self.state.rows = StepRows([f"r{i}" for i in range(batch)], num_computed,
                                        np.full(batch, self.shapes.prompt), self.block_rows, [None] * batch)
             plan = self.state.plan(query_start_loc, self.shapes.block_size).to_device(self.device)
-            seq_lens = plan.seq_lens.numpy()
-            self.impl.step_plan = plan
+            slots, seq_lens = plan.slot_mapping, plan.seq_lens.numpy()
         # Causal: a row's token t sees the row's physical keys up to its own.
         key_counts = seq_lens[rows] - (ends[rows] - 1 - np.arange(len(rows)))
-        attended = (torch.from_numpy(rows).to(self.device), torch.from_numpy(key_counts).to(self.device))
-        slot_mapping = plan.slot_mapping.to(self.device)  # vLLM's own tensor, on the device
+        metadata = StandInMetadata(self.block_table, torch.from_numpy(rows).to(self.device),
+                                   torch.from_numpy(key_counts).to(self.device), len(rows))
+        if plan is not None:
+            plan.prepare(None, metadata)  # paged_eviction: each layer's block table
+        slot_mapping = slots.to(self.device)  # vLLM's own tensor, on the device
         planned = time.perf_counter() - started
-        self._layers(plan, slot_mapping, attended, inputs)
+        self._layers(plan, slot_mapping, metadata, inputs)
         return planned
 
-    def _layers(self, plan, slot_mapping: torch.Tensor, attended, inputs) -> None:
-        from vllm_kvprune.kernels.triton.attention_mass import attention_mass
-        from vllm_kvprune.worker.policy_attention import _layer_block_tables
-
-        tables = _layer_block_tables(self.block_table, plan, self.state) if self.state is not None else None
-        for index, (layer, cache, (query, key, value)) in enumerate(zip(self.layers, self.caches, inputs)):
-            table = tables[index] if tables is not None else self.block_table
-            self.impl.do_kv_cache_update(layer, key, value, cache, slot_mapping)
-            output = torch.empty_like(query)
-            queries = plan.mass_queries
-            if queries is not None:  # h2o: decode attention and mass in one pass; a prompt's mass
-                self.impl._accumulate_mass(layer, query, cache, SimpleNamespace(block_table=table), plan,
-                                           output=output if queries.decode_only else None)
-            if queries is None or not queries.decode_only:  # vLLM's attention, stood in for by ours
-                attention_mass(query, cache, table, *attended, self.impl.scale, None, output)
-            if self.state is not None:
-                self.impl._after_attention(layer, cache, plan)
+    def _layers(self, plan, slot_mapping: torch.Tensor, metadata: StandInMetadata, inputs) -> None:
+        for layer, cache, (query, key, value) in zip(self.layers, self.caches, inputs):
+            if plan is None:  # vLLM's own write and attention, stood in for
+                CacheWrite.do_kv_cache_update(self.impl, layer, key, value, cache, slot_mapping)
+                CacheWrite.forward(self.impl, layer, query, key, value, cache, metadata, torch.empty_like(query))
+            else:
+                self.impl.layer_step(plan, layer, cache, query, key, value, slot_mapping, metadata)
 
 
 def measure(name: str, shapes: Shapes, dtype: torch.dtype, device: str) -> dict[str, Any]:
@@ -214,22 +229,14 @@ def _synchronize(device: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vllm_kvprune import vllm_hooks
-    from vllm_kvprune.worker import runtime
-
     device = bench_device()
     shapes = TINY if args.tiny or device == "cpu" else FULL
     dtype = getattr(torch, args.dtype) if device == "cuda" else torch.float32
-    # One process, no tensor parallelism (and no vLLM): the all-reduce of block scores is the identity.
-    all_reduce, vllm_hooks.tp_all_reduce = vllm_hooks.tp_all_reduce, lambda tensor: tensor
+    # One process, no tensor parallelism: the worker state's reducer is its default, the identity.
     rows = []
-    try:
-        for name in args.policies:
-            rows.append(measure(name, shapes, dtype, device))
-            print(f"{name}: {rows[-1]}", flush=True)
-    finally:
-        runtime.install(None)
-        vllm_hooks.tp_all_reduce = all_reduce
+    for name in args.policies:
+        rows.append(measure(name, shapes, dtype, device))
+        print(f"{name}: {rows[-1]}", flush=True)
     none = next((row for row in rows if row["policy"] == "none"), None)
     for row in rows:
         row["vs_none"] = none["step_ms"] / row["step_ms"] if none else None

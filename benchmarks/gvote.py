@@ -99,13 +99,13 @@ def _memory_and_prefill(model: str, prompts: dict[int, list[list[int]]], longest
             prompt_seconds = time.perf_counter() - started
             vote_seconds = kv_state.score_seconds - vote_before
             [(internal, state)] = [(rid, st) for rid, st in kv_state.requests.items() if rid.startswith(request_id)]
-            lengths = state.pages.lengths
+            lengths = state.map.lengths
             held = scheduler.held_blocks(internal)
             rows.append({
                 "prompt_tokens": length, "prompt": index,
                 "mean_kept": float(lengths.mean()), "min_kept": int(lengths.min()), "max_kept": int(lengths.max()),
                 "kept_fraction": float(lengths.mean() / length),
-                "blocks_held": held, "blocks_needed": state.pages.blocks_needed(0),
+                "blocks_held": held, "blocks_needed": state.map.blocks_needed(0),
                 "blocks_max_over_heads": -(-int(lengths.max()) // BLOCK_SIZE),
                 "blocks_none": -(-length // BLOCK_SIZE),
                 "prompt_step_s": prompt_seconds, "vote_s": vote_seconds,

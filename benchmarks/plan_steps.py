@@ -54,8 +54,12 @@ def measure(policy: str, steps: int, kept: bool = False) -> list[float] | tuple[
     from benchmarks.gpu_steps import policy_settings
     from vllm_kvprune import vllm_hooks
     from vllm_kvprune.config import KVPolicyConfig
-    from vllm_kvprune.worker import runtime
     from vllm_kvprune.worker.state import StepRows, WorkerKVState
+
+    try:  # a tree from before 0760fea: its worker state is process-wide and its all-reduce vLLM's
+        from vllm_kvprune.worker import runtime
+    except ImportError:  # since: passed in (one process's reducer, the identity, is the default)
+        runtime = None
 
     blocks_per_request = -(-(shapes.prompt + steps + 64) // shapes.block_size)
     num_blocks = shapes.batch * blocks_per_request + 1
@@ -63,13 +67,15 @@ def measure(policy: str, steps: int, kept: bool = False) -> list[float] | tuple[
     state = WorkerKVState(KVPolicyConfig.from_dict(policy_settings(policy, shapes)))
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(shapes.layers)]
     state.bind_cache(layers, num_blocks, shapes.block_size, shapes.kv_heads, shapes.kv_heads, device="cpu")
+    tables = _tables(state)
     if policy == "h2o":  # attention mass as if attended (random: the victim search's work is the same)
-        state.scores.by_slot.uniform_(generator=torch.Generator().manual_seed(0))
+        tables.by_slot.uniform_(generator=torch.Generator().manual_seed(0))
     batch, names = shapes.batch, [f"r{i}" for i in range(shapes.batch)]
     timings = []
-    # One process: the block scores' all-reduce is the identity (restored after, as in gpu-steps).
-    all_reduce, vllm_hooks.tp_all_reduce = vllm_hooks.tp_all_reduce, lambda tensor: tensor
-    runtime.install(state)
+    all_reduce = vllm_hooks.tp_all_reduce
+    if runtime is not None:  # the older tree's globals: restored after
+        vllm_hooks.tp_all_reduce = lambda tensor: tensor
+        runtime.install(state)
     try:
         for step in range(steps + 6):
             num_new = np.full(batch, shapes.prompt if step == 0 else 1)
@@ -79,11 +85,12 @@ def measure(policy: str, steps: int, kept: bool = False) -> list[float] | tuple[
             started = time.perf_counter()
             plan = state.plan(np.concatenate([[0], np.cumsum(num_new)]), shapes.block_size)
             timings.append(1e3 * (time.perf_counter() - started))
-            if plan.head_slot_mapping is not None:
+            if getattr(plan, "head_slot_mapping", None) is not None:  # h2o (a HeadPlan)
                 _prune_prompts_per_head(state, plan)
     finally:
-        runtime.install(None)
-        vllm_hooks.tp_all_reduce = all_reduce
+        if runtime is not None:
+            runtime.install(None)
+            vllm_hooks.tp_all_reduce = all_reduce
     failed = [request_id for request_id, request in state.requests.items() if request.failure is not None]
     if failed:
         raise RuntimeError(f"plan-steps: {policy}: requests failed: {failed[:3]}")
@@ -92,15 +99,22 @@ def measure(policy: str, steps: int, kept: bool = False) -> list[float] | tuple[
     return timings[6:]
 
 
+def _tables(state):
+    """The worker's per-slot tables (`scores` in trees from before 0760fea)."""
+    return state.tables if hasattr(state, "tables") else state.scores
+
+
 def _prune_prompts_per_head(state, plan) -> None:
     """What h2o's impl does to its maps once a prompt has been attended (the K/V moves aside):
     every layer's heads keep their own tokens, chosen by the policy from the mass."""
+    tables = _tables(state)
     for compaction in plan.prefill_compactions:
         request = compaction.state
-        for layer in range(state.scores.num_layers):
-            kept = request.policy.prefill_survivors(state.scores.by_slot[layer], compaction.prompt_slots,
+        heads = request.map if hasattr(request, "map") else request.heads
+        for layer in range(tables.num_layers):
+            kept = request.policy.prefill_survivors(tables.by_slot[layer], compaction.prompt_slots,
                                                     compaction.keep, request.config)
-            request.heads.set_layer_survivors(layer, kept.numpy())
+            heads.set_layer_survivors(layer, kept.numpy())
 
 
 def _tree_at(revision: str, workdir: str) -> Path:

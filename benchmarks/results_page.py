@@ -36,7 +36,7 @@ SPEED_FILES = {
                    ("throughput_paged", "paged_eviction"),
                    ("throughput_h2o", "h2o and streaming"),
                    ("throughput_h2o_batch32_separate", "h2o at batch 32, mass in a separate pass "
-                                                       "(VLLM_KVPRUNE_FUSED_MASS=0)"),
+                                                       "(KVPRUNE_FUSED_MASS=0)"),
                    ("throughput_h2o_batch32_fused_victim_kernel", "h2o at batch 32, fused mass, C++ victims"),
                    ("throughput_h2o_vs_streaming_batch32", "h2o next to streaming at batch 32 and the same budget: "
                                                            "what h2o's scoring adds to a step (its score share "

@@ -248,7 +248,7 @@ def run_batch(llm, prompts: Sequence[list[int]], gen_tokens: int, tag: str, prog
     params = sampling_params(gen_tokens)
     stats = BatchStats()
     preemptions: dict[str, int] = {}
-    plan_before, score_before = worker_seconds()
+    plan_before, score_before = worker_seconds(llm)
     start, start_cpu = time.perf_counter(), time.process_time()
     for index, prompt in enumerate(prompts):
         engine.add_request(f"{tag}-{index}", {"prompt_token_ids": list(prompt)}, params)
@@ -260,7 +260,7 @@ def run_batch(llm, prompts: Sequence[list[int]], gen_tokens: int, tag: str, prog
         progress.report(stats.output_tokens + tokens_in_flight(scheduler))
     stats.wall_s = time.perf_counter() - start
     stats.cpu_s = time.process_time() - start_cpu
-    plan_after, score_after = worker_seconds()
+    plan_after, score_after = worker_seconds(llm)
     stats.plan_s, stats.score_s = plan_after - plan_before, score_after - score_before
     stats.preemptions = sum(preemptions.values())
     progress.offset += stats.output_tokens
@@ -268,11 +268,9 @@ def run_batch(llm, prompts: Sequence[list[int]], gen_tokens: int, tag: str, prog
     return stats
 
 
-def worker_seconds() -> tuple[float, float]:
+def worker_seconds(llm) -> tuple[float, float]:
     """Seconds the (in-process) worker has spent planning steps and keeping scores so far."""
-    from vllm_kvprune.worker import runtime
-
-    state = runtime.worker_state()
+    state = getattr(common.model_runner(llm), "kv_state", None)  # vLLM's own runner without a policy
     return (state.plan_seconds, state.score_seconds) if state is not None else (0.0, 0.0)
 
 

@@ -25,11 +25,11 @@ from typing import Any
 from benchmarks import common
 
 POLICIES = ("none", "streaming", "paged_eviction", "h2o", "streaming-shift", "h2o-gather")
-# Baselines: a policy run with a benchmark switch of the engine's (`VLLM_KVPRUNE_SHIFT_APPEND=1`),
+# Baselines: a policy run with a benchmark switch of the engine's (`KVPRUNE_SHIFT_APPEND=1`),
 # whose decode evictions move the survivors as the methods' own contiguous caches do instead
 # of EQUIP's in-place write (EQUIP's Fig. 7a): `streaming-shift` shifts the window down and
 # appends (StreamingLLM), `h2o-gather` gathers each head's survivors and appends (H2O).
-SHIFT_APPEND = {"VLLM_KVPRUNE_SHIFT_APPEND": "1"}
+SHIFT_APPEND = {"KVPRUNE_SHIFT_APPEND": "1"}
 BASELINES = {"streaming-shift": ("streaming", SHIFT_APPEND), "h2o-gather": ("h2o", SHIFT_APPEND)}
 BLOCK_SIZE = 32
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build the GPU extensions (csrc/cutlass's grouped projections, which serving uses, and csrc/cuda's
-# slot ops, a benchmark's: VLLM_KVPRUNE_CUDA_SLOT_OPS=1 asks setup.py for them) against a CUDA
+# slot ops, a benchmark's: KVPRUNE_CUDA_SLOT_OPS=1 asks setup.py for them) against a CUDA
 # build of torch on a machine without a GPU, then load them and check their ops registered.
 # Compiling and linking need no GPU; running the ops does (scripts/gpu_check.sh, on a GPU machine).
 #
@@ -41,7 +41,7 @@ cp -r csrc vllm_kvprune benchmarks setup.py pyproject.toml "$BUILD"/  # uncommit
 {
   echo "== $(date -u +%FT%TZ) head $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- csrc setup.py || echo ' with uncommitted csrc/setup.py changes'); torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
   echo "== nvcc: $("$CUDA_HOME/bin/nvcc" --version | tail -1); TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST; CUTLASS: $CUTLASS_INCLUDE_DIR"
-  (cd "$BUILD" && VLLM_KVPRUNE_CUDA_SLOT_OPS=1 "$VENV/bin/python" setup.py build_ext --inplace 2>&1 \
+  (cd "$BUILD" && KVPRUNE_CUDA_SLOT_OPS=1 "$VENV/bin/python" setup.py build_ext --inplace 2>&1 \
     | grep -E "vllm-kvprune setup|error|warning: .*kvprune" || true)
   cd "$BUILD" && "$VENV/bin/python" - <<'EOF'
 import importlib

@@ -12,7 +12,7 @@
 #   env        env_TAG.txt: nvidia-smi's name/driver/memory, torch, Triton, CUDA
 #   build      build_TAG.txt: `setup.py build_ext --inplace` (the C++ ops the planner uses, the
 #              CUDA slot ops `bench gpu-kernels` times from csrc/cuda when nvcc is found
-#              (VLLM_KVPRUNE_CUDA_SLOT_OPS=1), and FDC's CUTLASS projections from csrc/cutlass
+#              (KVPRUNE_CUDA_SLOT_OPS=1), and FDC's CUTLASS projections from csrc/cutlass
 #              when CUTLASS's headers are: carry `.cutlass-include`, made here by
 #              `python -m tools.cutlass_check --fetch --headers-for .cutlass-include`)
 #   tests      pytest_TAG.txt: every Triton kernel and the impl's policy steps on CUDA tensors
@@ -71,7 +71,7 @@ for stage in "${stages[@]}"; do
     env)
       run_stage env 60 "$OUT/env_$TAG.txt" bash -c describe_machine ;;
     build)
-      run_stage build 300 "$OUT/build_$TAG.txt" env MAX_JOBS=${MAX_JOBS:-16} VLLM_KVPRUNE_CUDA_SLOT_OPS=1 \
+      run_stage build 300 "$OUT/build_$TAG.txt" env MAX_JOBS=${MAX_JOBS:-16} KVPRUNE_CUDA_SLOT_OPS=1 \
         $PYTHON setup.py build_ext --inplace ;;
     tests)
       run_stage tests 400 "$OUT/pytest_$TAG.txt" $PYTHON -m pytest -q -p no:cacheprovider -m triton --noconftest \

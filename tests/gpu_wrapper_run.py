@@ -4,8 +4,8 @@ builder and impl over torch references of FA's ops, ours interpreted), one after
 this process (support/gpu_on_cpu.py installs the wrapper before the first engine); greedy
 tokens and logprobs as JSON, and which attention impl the layers ran.
 
-    TRITON_INTERPRET=1 VLLM_KVPRUNE_TRITON_ON_CPU=1 python gpu_wrapper_run.py CASES.json OUT.json
-    TRITON_INTERPRET=1 VLLM_KVPRUNE_TRITON_ON_CPU=FLASH_ATTN python gpu_wrapper_run.py CASES.json OUT.json
+    TRITON_INTERPRET=1 KVPRUNE_TRITON_ON_CPU=1 python gpu_wrapper_run.py CASES.json OUT.json
+    TRITON_INTERPRET=1 KVPRUNE_TRITON_ON_CPU=FLASH_ATTN python gpu_wrapper_run.py CASES.json OUT.json
 
 CASES: a list of {"model", "policy", "requests": [{"prompt": token ids, "extra_args": {...}}],
 "max_tokens", "block_size", "kv_blocks"}. OUT: a list of {"results", "impls", "hnd",
@@ -21,7 +21,7 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_KVPRUNE_CHECK", "1")
+os.environ.setdefault("KVPRUNE_CHECK", "1")
 
 
 def run_case(case: dict) -> dict:

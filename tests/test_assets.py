@@ -1,7 +1,7 @@
 """Tests of the offline test assets (`tools/assets.py`) and of the essays as the package reads them
 (`vllm_kvprune/fdc/essays.py`).
 
-Tests that build into a temporary VLLM_KVPRUNE_HOME start from nothing; tests of the real model
+Tests that build into a temporary KVPRUNE_HOME start from nothing; tests of the real model
 use the shared cache (building it takes 20-50 s, so those are marked slow when it is missing).
 """
 

@@ -39,7 +39,7 @@ def async_on_cpu(monkeypatch):
         vllm_config.scheduler_config.async_scheduling = True
 
     monkeypatch.setattr(CpuPlatform, "check_and_update_config", classmethod(check_then_async))
-    monkeypatch.setenv("VLLM_KVPRUNE_CHECK", "1")  # the debug invariants after every step too
+    monkeypatch.setenv("KVPRUNE_CHECK", "1")  # the debug invariants after every step too
 
 
 def _run_watching_placeholders(llm, prompt_ids, params, check=None) -> tuple[dict, int]:
@@ -111,9 +111,9 @@ def test_gvote_under_async_scheduling(async_on_cpu, tiny_model, reference_model,
         assert all_blocks_free(llm)
         # Fault containment, whose report now arrives a step late: request "1"'s vote fails; it
         # finishes with an error, the others as above, every block back.
-        monkeypatch.setenv("VLLM_KVPRUNE_FAULT", "score:^1(-|$)")
+        monkeypatch.setenv("KVPRUNE_FAULT", "score:^1(-|$)")
         failing = run_steps(llm, prompt_ids, [greedy(120, **settings)] * 3)
-        monkeypatch.delenv("VLLM_KVPRUNE_FAULT")
+        monkeypatch.delenv("KVPRUNE_FAULT")
         assert failing["1"].outputs[0].finish_reason == "error"
         assert failing["1"].outputs[0].stop_reason.startswith("kvprune gvote: score failed: InjectedFault")
         for request_id in ("0", "2"):

@@ -23,9 +23,9 @@ from vllm_kvprune.kernels import reference  # noqa: E402
 from vllm_kvprune.kernels.layout import default_isa, probe_layout  # noqa: E402
 
 # A missing extension fails these tests (and test_kernels' build check), unless the package was
-# built without it on purpose (VLLM_KVPRUNE_NO_EXT=1): then only the torch path is tested.
-needs_extension = pytest.mark.skipif(not kernels.HAS_EXTENSION and os.environ.get("VLLM_KVPRUNE_NO_EXT") == "1",
-                                     reason="built with VLLM_KVPRUNE_NO_EXT=1")
+# built without it on purpose (KVPRUNE_NO_EXT=1): then only the torch path is tested.
+needs_extension = pytest.mark.skipif(not kernels.HAS_EXTENSION and os.environ.get("KVPRUNE_NO_EXT") == "1",
+                                     reason="built with KVPRUNE_NO_EXT=1")
 
 # (dtype, block_size, head_size, num_kv_heads, group = query heads per KV head)
 CONFIGS = [

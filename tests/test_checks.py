@@ -1,4 +1,4 @@
-"""Debug invariant mode (`VLLM_KVPRUNE_CHECK=1`, `vllm_kvprune/engine/checks.py`).
+"""Debug invariant mode (`KVPRUNE_CHECK=1`, `vllm_kvprune/engine/checks.py`).
 
 Each check catches the breach it names, on states built to break it; and a real engine with the
 checks on runs a preempting, aborting, mixed-budget batch for two kinds of map (slot and per-head)
@@ -20,7 +20,7 @@ from vllm_kvprune.worker.slot_map import InvariantError, SlotMap
 def _state(positions) -> types.SimpleNamespace:
     slots = SlotMap()
     slots.append(np.asarray(positions))
-    return types.SimpleNamespace(slots=slots, heads=None, blocks=None, pages=None)
+    return types.SimpleNamespace(map=slots)
 
 
 def test_planned_maps_catch_a_position_twice_and_a_shared_slot() -> None:

@@ -151,7 +151,7 @@ def test_version():
 
 def test_bad_fdc_projections_variable_exits_2(tmp_path, monkeypatch):
     # The variable is checked with the flags, before vLLM starts anything.
-    monkeypatch.setenv("VLLM_KVPRUNE_FDC_PROJECTIONS", "cublas")
+    monkeypatch.setenv("KVPRUNE_FDC_PROJECTIONS", "cublas")
     result = run("serve", str(tmp_path), "--kv-policy", "streaming", "--kv-budget", "256")
     assert_one_line_error(result.returncode, result.stderr,
-                          "VLLM_KVPRUNE_FDC_PROJECTIONS: 'cublas' is not one of torch, triton, cutlass")
+                          "KVPRUNE_FDC_PROJECTIONS: 'cublas' is not one of torch, triton, cutlass")

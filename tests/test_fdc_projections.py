@@ -146,13 +146,13 @@ def test_projections_refuse_what_cannot_run(monkeypatch: pytest.MonkeyPatch) -> 
     layers = _fdc().layers
     assert isinstance(fdc_projections.projections_for(layers, "cpu"), EinsumProjections)
     monkeypatch.setenv(fdc_projections.ENV_VARIABLE, "cublas")
-    with pytest.raises(ValueError, match="VLLM_KVPRUNE_FDC_PROJECTIONS: 'cublas' is not one of torch, triton, cutlass"):
+    with pytest.raises(ValueError, match="KVPRUNE_FDC_PROJECTIONS: 'cublas' is not one of torch, triton, cutlass"):
         fdc_projections.projections_for(layers, "cpu")
     monkeypatch.setenv(fdc_projections.ENV_VARIABLE, "triton")
-    with pytest.raises(ValueError, match="VLLM_KVPRUNE_FDC_PROJECTIONS: triton needs a GPU; the cache is on the CPU"):
+    with pytest.raises(ValueError, match="KVPRUNE_FDC_PROJECTIONS: triton needs a GPU; the cache is on the CPU"):
         fdc_projections.projections_for(layers, "cpu")
     monkeypatch.setenv(fdc_projections.ENV_VARIABLE, "cutlass")
-    with pytest.raises(ValueError, match="VLLM_KVPRUNE_FDC_PROJECTIONS: cutlass needs a CUDA device"):
+    with pytest.raises(ValueError, match="KVPRUNE_FDC_PROJECTIONS: cutlass needs a CUDA device"):
         fdc_projections.projections_for(layers, "cpu")
 
 

@@ -1,7 +1,7 @@
 """The GPU wrappers (vLLM's TRITON_ATTN and FLASH_ATTN with the policies) in a real vLLM engine.
 
 This machine has no GPU, so the engine runs on the CPU with a GPU wrapper in place of the
-CPU one (`VLLM_KVPRUNE_TRITON_ON_CPU=1`, or `=FLASH_ATTN`): the shared step planning, the
+CPU one (`KVPRUNE_TRITON_ON_CPU=1`, or `=FLASH_ATTN`): the shared step planning, the
 impl's work around the kernel with our Triton kernels (`TritonKernels`), all in Triton's
 interpreter, and for the cache write and the attention vLLM's own Triton kernels (TRITON_ATTN,
 interpreted too) or vLLM's FLASH_ATTN builder and impl calling torch references of the two
@@ -172,7 +172,7 @@ def _run_engines(cases: dict, folder: Path, backend: str) -> dict:
     running = []
     for index, names in enumerate(groups):
         (folder / f"cases{index}.json").write_text(json.dumps([cases[name] for name in names]))
-        env = {**os.environ, "TRITON_INTERPRET": "1", "VLLM_KVPRUNE_TRITON_ON_CPU": backend}
+        env = {**os.environ, "TRITON_INTERPRET": "1", "KVPRUNE_TRITON_ON_CPU": backend}
         if len(groups) > 1:
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[index])
         with open(folder / f"log{index}.txt", "w") as log:  # a file: a full pipe would stall the other

@@ -177,9 +177,9 @@ class TestSharedEngine:
         params = [greedy(25, **SPARSE)] * len(prompt_ids)
         clean = run_steps(gvote_llm, prompt_ids, params)
         before = kvprune_totals(gvote_llm)
-        monkeypatch.setenv("VLLM_KVPRUNE_FAULT", "score:^2(-|$)")  # request "2" (vLLM may add a suffix)
+        monkeypatch.setenv("KVPRUNE_FAULT", "score:^2(-|$)")  # request "2" (vLLM may add a suffix)
         failing = run_steps(gvote_llm, prompt_ids, params)
-        monkeypatch.delenv("VLLM_KVPRUNE_FAULT")
+        monkeypatch.delenv("KVPRUNE_FAULT")
         for request_id, output in failing.items():
             if request_id == "2":
                 assert output.outputs[0].finish_reason == "error"

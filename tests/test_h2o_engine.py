@@ -113,7 +113,7 @@ class TestSharedEngine:
             assert together.outputs[0].token_ids == alone.outputs[0].token_ids
 
     def test_gather_and_append_baseline_keeps_the_same_tokens(self, h2o_llm, reference_model, monkeypatch):
-        """The benchmarks' baseline (`VLLM_KVPRUNE_SHIFT_APPEND=1`): each head gathers its
+        """The benchmarks' baseline (`KVPRUNE_SHIFT_APPEND=1`): each head gathers its
         survivors to the front in order and appends (in place, the new token would take a
         victim's slot, out of order), keeping what the reference keeps, moves recorded."""
         from vllm_kvprune.worker.layouts.heads import HeadPlanner

@@ -51,8 +51,8 @@ def test_evicts_lowest_mass_outside_sinks_and_recent_oldest_first_on_ties():
     assert sorted(evicted(tied, [0, 1, 9, 6, 5, 4, 3, 7, 8], 2)) == [5, 6]  # positions 3, 4
 
 
-@pytest.mark.skipif(not kernels.HAS_EXTENSION and os.environ.get("VLLM_KVPRUNE_NO_EXT") == "1",
-                    reason="built with VLLM_KVPRUNE_NO_EXT=1")
+@pytest.mark.skipif(not kernels.HAS_EXTENSION and os.environ.get("KVPRUNE_NO_EXT") == "1",
+                    reason="built with KVPRUNE_NO_EXT=1")
 @pytest.mark.parametrize("n, table_slots", [(200, 1024), (1500, 4096)], ids=["one-task", "split-over-threads"])
 @pytest.mark.parametrize("count", [1, 3, 8])
 def test_victim_kernel_equals_torch_reference(count, n, table_slots):
@@ -76,7 +76,7 @@ def test_victim_kernel_equals_torch_reference(count, n, table_slots):
     assert ((chosen >= 4) & (chosen < 210)).all(), "a sink or a recent token was chosen"
 
 
-@pytest.mark.skipif(not kernels.HAS_EXTENSION, reason="built with VLLM_KVPRUNE_NO_EXT=1")
+@pytest.mark.skipif(not kernels.HAS_EXTENSION, reason="built with KVPRUNE_NO_EXT=1")
 def test_victim_kernel_split_over_threads_fails_for_a_head_with_too_few_tokens():
     """A head in the middle of the op's split (more than one thread's share of its
     (layer, head) pairs) with nothing evictable: the op raises, naming it, in the caller."""

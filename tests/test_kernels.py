@@ -44,8 +44,8 @@ def single_thread():
 
 
 needs_extension = pytest.mark.skipif(
-    not kernels.HAS_EXTENSION and os.environ.get("VLLM_KVPRUNE_NO_EXT") == "1",
-    reason="built with VLLM_KVPRUNE_NO_EXT=1",
+    not kernels.HAS_EXTENSION and os.environ.get("KVPRUNE_NO_EXT") == "1",
+    reason="built with KVPRUNE_NO_EXT=1",
 )
 
 

@@ -118,6 +118,6 @@ def test_driver_failure_carries_its_stderr(kvpress_venv, tiny_model):
 
 
 def test_missing_venv_names_the_setup_script(monkeypatch, tmp_path):
-    monkeypatch.setenv("VLLM_KVPRUNE_KVPRESS_VENV", str(tmp_path / "nowhere"))
+    monkeypatch.setenv("KVPRUNE_KVPRESS_VENV", str(tmp_path / "nowhere"))
     with pytest.raises(kvpress_runner.KvpressError, match="scripts/setup_kvpress.sh"):
         kvpress_runner.kvpress_python()

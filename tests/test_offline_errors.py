@@ -81,13 +81,13 @@ def fdc_file(tiny_model, tmp_path_factory) -> str:
 
 
 @pytest.mark.parametrize("value, uses_fdc, message", [
-    ("cublas", False, "VLLM_KVPRUNE_FDC_PROJECTIONS: 'cublas' is not one of torch, triton, cutlass"),
-    ("triton", True, "VLLM_KVPRUNE_FDC_PROJECTIONS: triton needs a GPU; the cache is on the CPU"),
-    ("cutlass", True, "VLLM_KVPRUNE_FDC_PROJECTIONS: cutlass needs a CUDA device"),
+    ("cublas", False, "KVPRUNE_FDC_PROJECTIONS: 'cublas' is not one of torch, triton, cutlass"),
+    ("triton", True, "KVPRUNE_FDC_PROJECTIONS: triton needs a GPU; the cache is on the CPU"),
+    ("cutlass", True, "KVPRUNE_FDC_PROJECTIONS: cutlass needs a CUDA device"),
 ])
 def test_fdc_projections_variable_refused_before_start(tiny_model, fdc_file, monkeypatch, value, uses_fdc, message):
     # Before: the worker refused it, as the root cause of vLLM's engine-start traceback.
-    monkeypatch.setenv("VLLM_KVPRUNE_FDC_PROJECTIONS", value)
+    monkeypatch.setenv("KVPRUNE_FDC_PROJECTIONS", value)
     policy = {"name": "fdc", "fdc": fdc_file} if uses_fdc else {"name": "streaming", "budget": 64}
     with pytest.raises(ValueError) as info:
         make_llm(tiny_model, policy)
@@ -100,11 +100,11 @@ def test_fdc_projections_variable_checked_where_it_matters(fdc_file, monkeypatch
     from vllm_kvprune.config import KVConfigError, KVPolicyConfig
     from vllm_kvprune.worker import fdc_projections
 
-    monkeypatch.setenv("VLLM_KVPRUNE_FDC_PROJECTIONS", "triton")
+    monkeypatch.setenv("KVPRUNE_FDC_PROJECTIONS", "triton")
     plugin.check_fdc_projections(KVPolicyConfig(name="h2o"))
     with pytest.raises(KVConfigError, match="triton needs a GPU"):
         plugin.check_fdc_projections(KVPolicyConfig(name="streaming", fdc=fdc_file))
-    monkeypatch.setenv("VLLM_KVPRUNE_FDC_PROJECTIONS", "Triton")
+    monkeypatch.setenv("KVPRUNE_FDC_PROJECTIONS", "Triton")
     with pytest.raises(KVConfigError, match="'Triton' is not one of"):
         plugin.check_fdc_projections(KVPolicyConfig(name="h2o"))
     # Where each runner can run, as the worker checks it on the cache's device.

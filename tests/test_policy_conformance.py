@@ -1,11 +1,12 @@
 """The contract every registered policy passes (`vllm_kvprune/policies/`), in a real engine on
-the tiny model (fp32, eager, the debug invariant mode on: `VLLM_KVPRUNE_CHECK=1`, so every
+the tiny model (fp32, eager, the debug invariant mode on: `KVPRUNE_CHECK=1`, so every
 step checks caps, slots and blocks). The cases are data (`policy_cases.yaml`), the oracle is
 the policy's own reference (`vllm_kvprune.reference.<module>.from_config`): a newly
 registered policy runs all of it with no test code of its own.
 
 One engine per policy, shared by every case that differs only in per-request settings, over a
-small pool (48 blocks) so that the workloads preempt:
+small pool (48 blocks) so that the workloads preempt, and steps of at most 128 tokens so that
+prompts are prefilled in chunks:
 - requests with different per-request settings in one batch each equal the reference at
   their own settings (token-exact, logprobs within 1e-3);
 - with nothing evicted, the output equals `none`'s;
@@ -31,6 +32,9 @@ PROMPT_LENGTHS = (20, 150, 300)
 NUM_TOKENS = 200
 POOL_BLOCKS = 48
 MAX_MODEL_LEN = 1024  # a request the pool always fits, even one that keeps every token
+# Steps of at most this many tokens: prompts are prefilled in chunks (and a policy's `prompt_tail`
+# shapes them), as a server under load does.
+STEP_TOKENS = 128
 
 
 def test_every_registered_policy_has_cases():
@@ -47,24 +51,35 @@ def reference_for(model, config, override: dict | None):
 
 @pytest.fixture(scope="module")
 def none_outputs(tiny_model) -> list:
-    with engine(tiny_model, None, kv_blocks=POOL_BLOCKS, max_model_len=MAX_MODEL_LEN) as llm:
+    with engine(tiny_model, None, kv_blocks=POOL_BLOCKS, max_model_len=MAX_MODEL_LEN,
+                max_num_batched_tokens=STEP_TOKENS) as llm:
         return llm.generate([{"prompt_token_ids": p} for p in prompts(PROMPT_LENGTHS)], greedy(NUM_TOKENS),
                             use_tqdm=False)
 
 
 @pytest.fixture(scope="module", params=POLICIES)
 def policy_run(request, tiny_model, fdc_files, none_outputs):
-    """(policy name, its engine, its engine config): one engine per policy, on a small pool."""
+    """(policy name, its engine, its engine config, what it serves with nothing evicted): one
+    engine per policy, on a small pool (and, first, the engine of `nothing_evicted_engine`)."""
     from vllm_kvprune.config import policy_from_vllm_config
 
-    name = request.param
-    with engine(tiny_model, settings_of(name, CASES[name]["engine"], fdc_files), kv_blocks=POOL_BLOCKS,
-                max_model_len=MAX_MODEL_LEN) as llm:
-        yield name, llm, policy_from_vllm_config(llm.llm_engine.vllm_config)
+    name, case = request.param, CASES[request.param]
+    prompt_ids = [{"prompt_token_ids": p} for p in prompts(PROMPT_LENGTHS)]
+    kept_all = None
+    if "nothing_evicted_engine" in case:  # no per-request setting says it: an engine of its own
+        with engine(tiny_model, settings_of(name, case["nothing_evicted_engine"], fdc_files), kv_blocks=POOL_BLOCKS,
+                    max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=STEP_TOKENS) as llm:
+            kept_all = llm.generate(prompt_ids, greedy(NUM_TOKENS), use_tqdm=False)
+            assert all_blocks_free(llm)
+    with engine(tiny_model, settings_of(name, case["engine"], fdc_files), kv_blocks=POOL_BLOCKS,
+                max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=STEP_TOKENS) as llm:
+        if kept_all is None:
+            kept_all = llm.generate(prompt_ids, greedy(NUM_TOKENS, **case["nothing_evicted"]), use_tqdm=False)
+        yield name, llm, policy_from_vllm_config(llm.llm_engine.vllm_config), kept_all
 
 
 def test_mixed_settings_in_one_batch_each_match_the_reference(policy_run, reference_model):
-    name, llm, config = policy_run
+    name, llm, config, _ = policy_run
     overrides = CASES[name]["mixed"]
     prompt_ids = prompts(PROMPT_LENGTHS)
     requests = [(prompt, override) for override in overrides for prompt in prompt_ids]
@@ -75,28 +90,11 @@ def test_mixed_settings_in_one_batch_each_match_the_reference(policy_run, refere
     assert all_blocks_free(llm)
 
 
-def test_nothing_evicted_equals_none(policy_run, none_outputs, tiny_model, fdc_files):
-    name, llm, _ = policy_run
-    case = CASES[name]
-    prompt_ids = prompts(PROMPT_LENGTHS)
-    if "nothing_evicted" in case:
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids],
-                               greedy(NUM_TOKENS, **case["nothing_evicted"]), use_tqdm=False)
-    else:  # an engine of its own: no per-request setting says it (opened once this policy's is closed)
-        pytest.skip("checked by test_nothing_evicted_engine_equals_none")
-    for output, expected in zip(outputs, none_outputs):
+def test_nothing_evicted_equals_none(policy_run, none_outputs):
+    _, llm, _, kept_all = policy_run
+    for output, expected in zip(kept_all, none_outputs):
         assert_equal_outputs(output, expected)
-
-
-@pytest.mark.parametrize("name", [name for name in POLICIES if "nothing_evicted_engine" in CASES[name]])
-def test_nothing_evicted_engine_equals_none(name, none_outputs, tiny_model, fdc_files):
-    settings = settings_of(name, CASES[name]["nothing_evicted_engine"], fdc_files)
-    with engine(tiny_model, settings, kv_blocks=POOL_BLOCKS, max_model_len=MAX_MODEL_LEN) as llm:
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts(PROMPT_LENGTHS)], greedy(NUM_TOKENS),
-                               use_tqdm=False)
-        assert all_blocks_free(llm)
-    for output, expected in zip(outputs, none_outputs):
-        assert_equal_outputs(output, expected)
+    assert all_blocks_free(llm)
 
 
 def assert_equal_outputs(output, expected) -> None:
@@ -110,7 +108,7 @@ def assert_equal_outputs(output, expected) -> None:
 def test_preemption_and_recompute_match_the_reference(policy_run, reference_model):
     """Eight requests that together outgrow the pool: some are preempted and recomputed, and
     every one still equals the reference."""
-    name, llm, config = policy_run
+    name, llm, config, _ = policy_run
     override = CASES[name]["grow"]
     prompt_ids = prompts((100, 12, 150, 8, 120, 15, 140, 60), seed=5)
     params = [greedy(NUM_TOKENS, **override)] * len(prompt_ids)
@@ -128,7 +126,7 @@ def test_preemption_and_recompute_match_the_reference(policy_run, reference_mode
 
 
 def test_aborts_midway_return_every_block(policy_run):
-    _, llm, _ = policy_run
+    _, llm, _, _ = policy_run
     prompt_ids = prompts((50, 120, 200, 10, 80, 300), seed=3)
     finished = run_steps(llm, prompt_ids, [greedy(150)] * len(prompt_ids), abort=(30, ["1", "3", "4"]))
     assert {"0", "2", "5"} <= set(finished)

@@ -25,7 +25,7 @@ def server(tiny_model, tmp_path_factory):
                 "--kv-cache-memory-bytes", str(pool_bytes), "--kv-policy", "streaming", "--kv-budget", "64",
                 "--kv-sinks", "4", log_dir=tmp_path_factory.mktemp("server"), timeout=240,
                 # Fault containment: the policy fails for requests sent with this id (and no other).
-                env={"VLLM_KVPRUNE_FAULT": f"plan:{FAULTY_ID}",
+                env={"KVPRUNE_FAULT": f"plan:{FAULTY_ID}",
                      # Started from a process whose metrics folder holds another live engine's numbers.
                      metrics.DIR_ENV: str(_someone_elses_metrics(tmp_path_factory.mktemp("elsewhere")))}) as base:
         yield base, tiny_model

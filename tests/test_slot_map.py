@@ -98,3 +98,17 @@ def test_chunk_rule_past_the_prompt_is_one_token():
     config = KVPolicyConfig.from_dict({"name": "streaming", "budget": 64})
     assert chunk_tokens(config, 100, 0, 4096) == 100  # a resumed request re-prefills its prompt first
     assert chunk_tokens(config, 100, 100, 50) == 1  # then replays its outputs one by one
+
+
+def test_no_chunk_ends_within_the_policys_prompt_tail(monkeypatch):
+    """A policy whose `prompt_tail` is 64 (it scores the prompt with its last 64 queries): a
+    chunk ends either at the prompt's end or at least 64 tokens before it; a step with room
+    for less than what is left runs none of it (vLLM schedules the request later)."""
+    config = KVPolicyConfig.from_dict({"name": "h2o", "budget": 128})
+    monkeypatch.setattr(type(config.policy), "prompt_tail", lambda self, config: 64)
+    assert chunk_tokens(config, 300, 0, 128) == 128  # 172 left: fine
+    assert chunk_tokens(config, 300, 128, 128) == 108  # would leave 44: stops 64 before the end
+    assert chunk_tokens(config, 300, 236, 40) == 0  # 64 left, room for 40: waits
+    assert chunk_tokens(config, 300, 236, 128) == 64  # the last 64 together
+    assert chunk_tokens(config, 50, 0, 30) == 0 and chunk_tokens(config, 50, 0, 128) == 50  # shorter than the tail
+    assert chunk_tokens(config, 300, 300, 5) == 1  # past the prompt: one token

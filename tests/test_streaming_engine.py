@@ -215,7 +215,7 @@ class TestSharedEngine:
     @pytest.mark.parametrize("shift_and_append", [False, True])
     def test_shift_and_append_baseline_keeps_the_same_tokens(self, streaming_llm, reference_model, monkeypatch,
                                                              shift_and_append):
-        """The benchmarks' baseline (`VLLM_KVPRUNE_SHIFT_APPEND=1`): a decode eviction shifts the
+        """The benchmarks' baseline (`KVPRUNE_SHIFT_APPEND=1`): a decode eviction shifts the
         survivors down and appends, so the slots hold the window in order and every eviction
         moves tokens; in place (EQUIP) the new token takes the victim's slot and nothing moves.
         The baseline keeps what the reference keeps (in place: the parity tests above). Prompts

@@ -24,10 +24,8 @@ from triton_setup import DEVICE
 from vllm_kvprune.config import KVPolicyConfig
 from vllm_kvprune.kernels import reference
 from vllm_kvprune.kernels.layout import gpu_layout
-from vllm_kvprune.worker import runtime
 from vllm_kvprune.worker.kernel_sets import KernelSet, TritonKernels
-from benchmarks.gpu_steps import StepImpl  # vLLM's cache write stood in for by the set's own
-from vllm_kvprune.worker.policy_attention import _layer_block_tables
+from benchmarks.gpu_steps import StandInMetadata, StepImpl  # vLLM's write and attention stood in for
 from vllm_kvprune.worker.state import StepRows, WorkerKVState
 
 pytestmark = pytest.mark.triton
@@ -64,6 +62,8 @@ class ReferenceKernels(KernelSet):
 
     def attention_mass(self, layer, query, kv_cache, block_table, query_rows, key_counts, scale, mass, output,
                        softcap) -> None:
+        if mass is None:  # attention alone (vLLM's, stood in for): the mass is thrown away
+            mass = torch.zeros(kv_cache.shape[1], kv_cache.shape[0] * kv_cache.shape[2])
         reference.attention_mass(query, kv_cache, self.layout(kv_cache), block_table.cpu(), query_rows.cpu().long(),
                                  key_counts.cpu().long(), scale, mass, output, softcap)
 
@@ -81,10 +81,11 @@ def token_inputs(layer: int, request: int, positions: range) -> tuple[torch.Tens
 
 def run_steps(policy: dict, kernels: KernelSet, device: str) -> dict:
     """The two requests' prompts (one step each, then both decoding together), every layer's
-    impl work as the wrapper does it; what the run leaves behind, on the host."""
+    impl work as the wrapper does it, through the step's plan; what the run leaves behind, on
+    the host (the caches, the score table, every layer's attention output: vLLM's stood in for
+    by our kernel without the mass, h2o's fused decode its own)."""
     state = WorkerKVState(KVPolicyConfig.from_dict(policy))
     state.bind_cache(LAYERS, NUM_BLOCKS, BLOCK_SIZE, HEADS, HEADS, device=device)
-    runtime.install(state)
     caches = [torch.zeros(NUM_BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD_DIM, device=device) for _ in LAYERS]
     impl = StepImpl(kernels, HEADS * GROUP, HEADS, HEAD_DIM)
     layers = [SimpleNamespace(layer_name=name) for name in LAYERS]
@@ -92,42 +93,30 @@ def run_steps(policy: dict, kernels: KernelSet, device: str) -> dict:
     outputs = []
     schedule = [([0], [PROMPTS[0]], [0]), ([0], [PROMPTS[1]], [1])]
     schedule += [([PROMPTS[0] + i, PROMPTS[1] + i], [1, 1], [0, 1]) for i in range(DECODE_STEPS)]
-    try:
-        for num_computed, num_new, rows in schedule:
-            state.rows = StepRows([f"r{r}" for r in rows], np.array(num_computed), np.array([PROMPTS[r] for r in rows]),
-                                  BLOCK_ROWS[rows], [None] * len(rows))
-            plan = state.plan(np.concatenate([[0], np.cumsum(num_new)]), BLOCK_SIZE).to_device(device)
-            impl.step_plan = plan
-            table = block_table[rows].contiguous()
-            layer_tables = _layer_block_tables(table, plan, state)
-            for index, (layer, kv_cache) in enumerate(zip(layers, caches)):
-                parts = [token_inputs(index, r, range(c, c + n)) for r, c, n in zip(rows, num_computed, num_new)]
-                query, key, value = (torch.cat(part).to(device) for part in zip(*parts))
-                impl.do_kv_cache_update(layer, key, value, kv_cache, plan.slot_mapping.to(device))
-                if plan.mass_queries is not None:
-                    metadata = SimpleNamespace(block_table=table)
-                    if plan.mass_queries.decode_only:  # the fused decode: attention output and mass
-                        output = torch.zeros_like(query)
-                        impl._accumulate_mass(layer, query, kv_cache, metadata, plan, output=output)
-                        outputs.append(output.cpu())
-                    else:
-                        impl._accumulate_mass(layer, query, kv_cache, metadata, plan)
-                impl._after_attention(layer, kv_cache, plan)
-            if layer_tables is not None:
-                outputs.append(layer_tables.cpu())
-        scores = state.tables.by_slot.cpu() if state.tables is not None else None
-        return {"caches": [cache.cpu() for cache in caches], "scores": scores, "outputs": outputs,
-                "kept": {rid: request.kept_choices() for rid, request in state.requests.items()}}
-    finally:
-        runtime.install(None)
+    for num_computed, num_new, rows in schedule:
+        state.rows = StepRows([f"r{r}" for r in rows], np.array(num_computed), np.array([PROMPTS[r] for r in rows]),
+                              BLOCK_ROWS[rows], [None] * len(rows))
+        plan = state.plan(np.concatenate([[0], np.cumsum(num_new)]), BLOCK_SIZE).to_device(device)
+        row_of = np.repeat(np.arange(len(rows)), num_new)
+        ends = np.cumsum(num_new)
+        key_counts = plan.seq_lens.numpy()[row_of] - (ends[row_of] - 1 - np.arange(len(row_of)))
+        metadata = StandInMetadata(block_table[rows].contiguous(), torch.from_numpy(row_of).to(device),
+                                   torch.from_numpy(key_counts).to(device), len(row_of))
+        plan.prepare(None, metadata)
+        for index, (layer, kv_cache) in enumerate(zip(layers, caches)):
+            parts = [token_inputs(index, r, range(c, c + n)) for r, c, n in zip(rows, num_computed, num_new)]
+            query, key, value = (torch.cat(part).to(device) for part in zip(*parts))
+            outputs.append(impl.layer_step(plan, layer, kv_cache, query, key, value, plan.slot_mapping.to(device),
+                                           metadata).cpu())
+        if getattr(plan, "layer_tables", None) is not None:
+            outputs.append(plan.layer_tables.cpu())
+    tables = state.tables.by_slot.cpu() if state.tables is not None else None
+    return {"caches": [cache.cpu() for cache in caches], "scores": tables, "outputs": outputs,
+            "kept": {rid: request.kept_choices() for rid, request in state.requests.items()}}
 
 
 @pytest.mark.parametrize("name", list(POLICIES))
-def test_policy_steps_with_the_gpu_kernel_set_match_the_references(name, monkeypatch):
-    from vllm_kvprune import vllm_hooks
-
-    # One process, no tensor parallelism: vLLM's all-reduce over a group of one returns its input.
-    monkeypatch.setattr(vllm_hooks, "tp_all_reduce", lambda tensor: tensor)
+def test_policy_steps_with_the_gpu_kernel_set_match_the_references(name):
     policy = POLICIES[name]
     expected = run_steps(policy, ReferenceKernels(), "cpu")
     got = run_steps(policy, TritonKernels(), DEVICE)

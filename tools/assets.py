@@ -30,9 +30,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from vllm_kvprune import envs
 from vllm_kvprune.fdc import essays
 
-HOME_ENV = "VLLM_KVPRUNE_HOME"
+HOME_ENV = envs.name("HOME")
 MANIFEST_NAME = "kvprune-manifest.json"
 # Bump when a build recipe changes: the new value is part of every source description, so
 # folders built by the old recipe stop verifying and are rebuilt.
@@ -122,8 +123,8 @@ class TinyModelSpec:
 
 
 def assets_home() -> Path:
-    """Root of the project cache: ``$VLLM_KVPRUNE_HOME`` or ``~/.cache/vllm-kvprune``."""
-    configured = os.environ.get(HOME_ENV)
+    """Root of the project cache: ``$KVPRUNE_HOME`` or ``~/.cache/vllm-kvprune``."""
+    configured = envs.get("HOME")
     return Path(configured).expanduser() if configured else Path.home() / ".cache" / "vllm-kvprune"
 
 

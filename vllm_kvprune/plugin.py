@@ -191,7 +191,7 @@ def check_fdc_file(policy: KVPolicyConfig, model: str | None, surface=DICT) -> N
 
 
 def check_fdc_projections(policy: KVPolicyConfig) -> None:
-    """VLLM_KVPRUNE_FDC_PROJECTIONS before the engine starts, as the flags are: a value that names
+    """KVPRUNE_FDC_PROJECTIONS before the engine starts, as the flags are: a value that names
     no runner always; a runner this platform cannot run where the policy uses FDC (the worker
     checks again on the cache's device, and loads CUTLASS's op)."""
     from vllm.platforms import current_platform

@@ -136,8 +136,8 @@ def generate_measured(llm: Any, runs: Sequence[Run], progress: bool = True) -> l
                     index = index_of[request.request_id]
                     held[index].append(held_blocks(scheduler, request.request_id))
                     state = kv_state.requests.get(request.request_id) if kv_state is not None else None
-                    if state is not None and state.pages is not None:
-                        per_layer[index].append(state.pages.mean_layer_blocks())
+                    if state is not None and state.map is not None:
+                        per_layer[index].append(state.map.mean_layer_blocks())
 
     def mean(values: list) -> float | None:
         return statistics.mean(values) if values else None

@@ -3,7 +3,7 @@
 vLLM's CPU build has no FlashAttention kernels. Tests run vLLM's FLASH_ATTN backend classes
 (its metadata builder and impl, with our policy wrapper in front) in a CPU engine by giving
 them these in place of `flash_attn_varlen_func` and `reshape_and_cache_flash`
-(`gpu_on_cpu.py`, under `VLLM_KVPRUNE_TRITON_ON_CPU=FLASH_ATTN`). They implement what vLLM
+(`gpu_on_cpu.py`, under `KVPRUNE_TRITON_ON_CPU=FLASH_ATTN`). They implement what vLLM
 relies on of the two ops, and refuse every option they do not implement:
 
 - the cache is the views FLASH_ATTN's impl makes of a layer cache, `[num_blocks, block_size,

@@ -1,4 +1,4 @@
-"""A vLLM engine on this CPU running a GPU wrapper (`VLLM_KVPRUNE_TRITON_ON_CPU`), for the tests.
+"""A vLLM engine on this CPU running a GPU wrapper (`KVPRUNE_TRITON_ON_CPU`), for the tests.
 
 `install(backend)` has the plugin register that backend's wrapper in place of CPU_ATTN
 (`vllm_hooks.run_gpu_wrapper_on_cpu`), after `prepare` has made vLLM's CPU build able to run the
@@ -18,11 +18,11 @@ import os
 from vllm_kvprune import vllm_hooks
 from vllm_kvprune.hook_contracts import _FLASH_ATTN
 
-VARIABLE = "VLLM_KVPRUNE_TRITON_ON_CPU"
+VARIABLE = "KVPRUNE_TRITON_ON_CPU"
 
 
 def wrapped_backend() -> str | None:
-    """The GPU backend `VLLM_KVPRUNE_TRITON_ON_CPU` asks a CPU engine to run the wrapper of
+    """The GPU backend `KVPRUNE_TRITON_ON_CPU` asks a CPU engine to run the wrapper of
     (`1`: TRITON_ATTN; `FLASH_ATTN`), None when unset."""
     asked = os.environ.get(VARIABLE, "")
     if asked in ("", "0"):
@@ -33,7 +33,7 @@ def wrapped_backend() -> str | None:
 
 
 def install_from_environment() -> str | None:
-    """`install` the backend `VLLM_KVPRUNE_TRITON_ON_CPU` names, if any; returns it."""
+    """`install` the backend `KVPRUNE_TRITON_ON_CPU` names, if any; returns it."""
     backend = wrapped_backend()
     if backend is not None:
         install(backend)
