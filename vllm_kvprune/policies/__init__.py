@@ -21,6 +21,7 @@ MODULES = (
     "paged_eviction",
     "gvote",
     "fdc",
+    "snapkv",
 )
 
 REGISTRY: dict[str, Policy] = {NoPolicy.name: NoPolicy()}
