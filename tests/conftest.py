@@ -34,16 +34,27 @@ def pytest_addoption(parser) -> None:
     parser.addoption("--heavy", action="store_true",
                      help="also run the tests marked heavy (checks already made once in the suite, repeated on "
                           "more configurations; minutes each on a 2-core CPU)")
+    parser.addoption("--all", action="store_true",
+                     help="also run the tests marked tooling (the benchmark scripts, the results page, the GPU "
+                          "compile checks, the accuracy tasks: our tools, not what a user's engine does)")
+
+
+# The modules whose tests check our tools rather than serving (marked `tooling`, run with --all).
+TOOLING_MODULES = ("test_bench_", "test_results_", "test_accuracy_", "test_triton_targets", "test_cutlass_check")
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """The CI suite runs each check once; `--heavy` adds its repetitions on more configurations."""
-    if config.getoption("--heavy"):
-        return
-    skip = pytest.mark.skip(reason="heavy: a repetition on another configuration; run with --heavy")
+    """The CI suite runs each check of serving once; `--heavy` adds its repetitions on more
+    configurations, `--all` the checks of the benchmarks and tools."""
+    heavy = pytest.mark.skip(reason="heavy: a repetition on another configuration; run with --heavy")
+    tooling = pytest.mark.skip(reason="tooling: a check of the benchmarks or tools; run with --all")
     for item in items:
-        if "heavy" in item.keywords:
-            item.add_marker(skip)
+        if item.path.name.startswith(TOOLING_MODULES):
+            item.add_marker(pytest.mark.tooling)
+        if "heavy" in item.keywords and not config.getoption("--heavy"):
+            item.add_marker(heavy)
+        if "tooling" in item.keywords and not config.getoption("--all"):
+            item.add_marker(tooling)
 BLOCK_SIZE = 32
 
 
@@ -232,7 +243,8 @@ def pytest_collection_finish(session) -> None:
     setup = sys.modules.get("triton_setup")
     if setup is not None and setup.INTERPRET_SET_HERE:
         os.environ.pop("TRITON_INTERPRET", None)
-    if any("kvpress_venv" in getattr(item, "fixturenames", ()) for item in session.items):
+    if any("kvpress_venv" in getattr(item, "fixturenames", ()) and item.get_closest_marker("skip") is None
+           for item in session.items):  # a test that will run (not one --heavy or --all would add)
         _start_kvpress_setup()
 
 

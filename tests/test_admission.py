@@ -88,8 +88,6 @@ class TestSmallPoolFullPrefill:
     def test_an_unchecked_bad_override_fails_alone_in_the_engine(self, small_pool_llm, monkeypatch):
         # A front end without the plugin's checks (here: switched off) hands the engine a bad
         # override: that request finishes with an error naming it; the engine and the next go on.
-        from vllm_kvprune import plugin
-
         monkeypatch.setattr(FRONT_END, "policy", None)
         bad, good = small_pool_llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9, 10]}],
                                             [greedy(8, kv_budget=0), greedy(8)], use_tqdm=False)

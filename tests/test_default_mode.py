@@ -18,16 +18,15 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import BLOCK_SIZE, engine
+from conftest import BLOCK_SIZE, POLICY_CASES, engine, policy_settings
+
+from vllm_kvprune.policies import REGISTRY
 
 NEAR_TIE = 0.15  # nats
-LOGPROB_TOLERANCE = {"streaming": 0.15, "h2o": 0.3, "paged_eviction": 0.15}
+LOGPROB_TOLERANCE = 0.15  # a case's own `tolerance` where its choices are argmins of bf16 sums (h2o)
 NUM_TOKENS = 96
-POLICIES = {
-    "streaming": {"name": "streaming", "budget": 64, "sinks": 4},
-    "h2o": {"name": "h2o", "budget": 64, "sinks": 2},
-    "paged_eviction": {"name": "paged_eviction", "budget": 96, "sinks": 4},
-}
+# Every registered policy at its conformance case's `default_mode` settings (tests/policy_cases.yaml).
+POLICIES = [name for name in REGISTRY if name != "none"]
 
 
 def essay_prompts(model: str) -> list[list[int]]:
@@ -66,17 +65,35 @@ def top2(step_logprobs: dict) -> tuple[int, float]:
     return ranked[0][0], ranked[0][1].logprob - ranked[1][1].logprob
 
 
+@pytest.fixture(scope="module")
+def real_files(real_model, tmp_path_factory) -> dict[str, str]:
+    """`$real_calibration`: FDC's calibration of the real model, made only where a case asks."""
+    class Lazy(dict):
+        def get(self, key, default=None):
+            if key == "$real_calibration" and key not in self:
+                from vllm_kvprune.fdc import calibration
+
+                self[key] = str(tmp_path_factory.mktemp("fdc") / "real.safetensors")
+                calibration.calibrate(real_model, rate=0.1).save(self[key])
+            return super().get(key, default)
+
+    return Lazy()
+
+
 @pytest.mark.slow
 # The suite runs h2o (per-head slots, fused decode mass: the most of our backend under
-# torch.compile); the others repeat the check (--heavy): minutes each where bf16 is emulated.
-@pytest.mark.parametrize("policy_name", [name if name == "h2o" else pytest.param(name, marks=pytest.mark.heavy)
+# torch.compile); a case marked `heavy` repeats the check (--heavy): minutes each where bf16 is
+# emulated.
+@pytest.mark.parametrize("policy_name", [pytest.param(name, marks=pytest.mark.heavy)
+                                         if POLICY_CASES[name]["default_mode"].get("heavy") else name
                                          for name in POLICIES])
-def test_default_mode_agrees_with_eager_fp32(real_model, policy_name, monkeypatch):
+def test_default_mode_agrees_with_eager_fp32(real_model, real_files, policy_name, monkeypatch):
     from vllm import SamplingParams
 
-    policy = POLICIES[policy_name]
+    case = POLICY_CASES[policy_name]["default_mode"]
+    policy = policy_settings(policy_name, case["settings"], real_files)
+    tolerance = case.get("tolerance", LOGPROB_TOLERANCE)
     prompt_ids = essay_prompts(real_model)
-    assert min(len(p) for p in prompt_ids) > policy["budget"], "the prompts were meant to be pruned"
     with engine(real_model, policy, kv_blocks=256) as llm:  # eager, fp32, in-process
         params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=2)
         expected = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
@@ -87,7 +104,7 @@ def test_default_mode_agrees_with_eager_fp32(real_model, policy_name, monkeypatc
         assert list(got.token_ids) == list(want.token_ids)  # forced
         for step, token in enumerate(want.token_ids):
             deviation = abs(got.logprobs[step][token].logprob - want.logprobs[step][token].logprob)
-            assert deviation < LOGPROB_TOLERANCE[policy_name], f"step {step}: logprob off by {deviation:.3f}"
+            assert deviation < tolerance, f"step {step}: logprob off by {deviation:.3f}"
             top, _ = top2(got.logprobs[step])
             _, margin = top2(want.logprobs[step])
             assert top == token or margin < NEAR_TIE, f"step {step}: another top token at fp32 margin {margin:.3f}"

@@ -26,7 +26,6 @@ from conftest import engine, make_llm, page_bytes, scheduler_of
 
 from vllm_kvprune.fdc import calibration as fdc
 from vllm_kvprune.reference.fdc import FdcReference, FdcTransform
-from vllm_kvprune.reference.budgeted import BudgetedReference
 from vllm_kvprune.reference.paged_eviction import PagedEvictionReference
 from vllm_kvprune.reference.streaming import StreamingLLMReference
 
@@ -76,23 +75,6 @@ def adaptive_run(tiny_model, calibrations):
         pool_blocks = scheduler_of(llm).kv_cache_manager.block_pool.num_gpu_blocks
         results = _generate(llm)
     return results, pool_blocks
-
-
-def test_adaptive_ranks_match_the_reference(adaptive_run, calibrations, reference_model) -> None:
-    _, calibration = calibrations["adaptive"]
-    assert (calibration.qk_rank < calibration.head_dim).all() and (calibration.v_rank < calibration.head_dim).all()
-    references = [FdcReference(reference_model, calibration).generate(prompt, NEW_TOKENS, prompt_logprobs=False)
-                  for prompt in PROMPTS]
-    _assert_matches(adaptive_run[0], references)
-
-
-def test_full_ranks_equal_none(tiny_model, calibrations, reference_model) -> None:
-    path, _ = calibrations["full"]
-    with engine(tiny_model, {"name": "fdc", "fdc": path}, kv_blocks=KV_BLOCKS) as llm:
-        results = _generate(llm)
-    none = [BudgetedReference(reference_model, budget=None).generate(prompt, NEW_TOKENS, prompt_logprobs=False)
-            for prompt in PROMPTS]
-    _assert_matches(results, none)
 
 
 def test_the_pool_holds_more_narrow_blocks_for_the_same_bytes(adaptive_run, calibrations, tiny_model) -> None:

@@ -91,6 +91,7 @@ def test_streaming_agrees_with_kvpress_streamingllm(kvpress_venv, real_model):
 
 
 @pytest.mark.slow
+@pytest.mark.tooling
 @pytest.mark.parametrize("press, ratio", [("none", None), ("StreamingLLMPress", 0.5), ("KnormPress", 0.3),
                                           ("ObservedAttentionPress", 0.25)])
 def test_driver_presses_keep_the_documented_count(kvpress_venv, tiny_model, press, ratio):
@@ -109,6 +110,7 @@ def test_driver_presses_keep_the_documented_count(kvpress_venv, tiny_model, pres
 
 
 @pytest.mark.slow
+@pytest.mark.tooling
 def test_driver_failure_carries_its_stderr(kvpress_venv, tiny_model):
     with pytest.raises(kvpress_runner.KvpressError, match="unknown press 'SnapKV'"):
         kvpress_runner.run_kvpress(

@@ -9,27 +9,30 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import engine, scheduler_of
+from conftest import POLICY_CASES, engine, scheduler_of
 from test_streaming_engine import all_blocks_free, assert_same_as, greedy, prompts
 
-POLICIES = {
-    "streaming": {"name": "streaming", "budget": 64, "sinks": 4},
-    "streaming-cache": {"name": "streaming", "budget": 64, "sinks": 4, "positions": "cache"},
-    "h2o": {"name": "h2o", "budget": 64, "sinks": 2},
-    "paged_eviction": {"name": "paged_eviction", "budget": 128, "sinks": 4},
-    # Tiny random models attend almost uniformly: a low threshold makes the votes evict.
-    "gvote": {"name": "gvote", "gvote_p": 0.6, "gvote_samples": 4},
-}
+from vllm_kvprune.policies import REGISTRY
+
+# Every registered policy at its conformance case's settings (tests/policy_cases.yaml), but those
+# that need a calibration of each model (fdc: tests/test_fdc_engine.py serves Qwen2 and Qwen3),
+# and `streaming` with positions inside the cache.
+POLICIES = {name: {"name": name, **POLICY_CASES[name]["engine"]} for name in REGISTRY
+            if name != "none" and not any(str(value).startswith("$") for value in POLICY_CASES[name]["engine"].values())}
+POLICIES["streaming-cache"] = {**POLICIES["streaming"], "positions": "cache"}
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi", "llama3", "gptj", "cohere", "mistral", "gemma2", "gemma3",
                  "bloom", "gptoss", "llama-fp8")
-# (architecture, policy) -> the feature named in the start-up refusal.
+# The attention feature (`worker/features.py`) of the architectures that have one a policy may refuse.
+FEATURES = {"gemma2": "softcap", "gptoss": "sinks"}
+FEATURE_NAMES = {"softcap": "logit soft-capping", "sinks": "attention sinks"}
+# (architecture, policy) -> the feature named in the start-up refusal: what no policy runs with,
+# what each policy's traits refuse (its `model_refusals`), and what its own model check refuses.
 REFUSED = {
     **{("mistral", policy): "sliding-window attention" for policy in POLICIES},
     **{("bloom", policy): "ALiBi" for policy in POLICIES},
     **{("llama-fp8", policy): "KV cache dtype fp8" for policy in POLICIES},
-    ("gptoss", "h2o"): "attention sinks",
-    ("gptoss", "gvote"): "attention sinks",
-    ("gemma2", "gvote"): "logit soft-capping",
+    **{(architecture, label): FEATURE_NAMES[feature] for architecture, feature in FEATURES.items()
+       for label, policy in POLICIES.items() if feature in REGISTRY[policy["name"]].model_refusals},
     ("phi", "gvote"): "attention without a plain rotary embedding",
     # Phi runs on vLLM's Transformers backend: transformers applies its (partial) RoPE, so no
     # rotation of vLLM's can re-anchor the sinks.
@@ -40,8 +43,6 @@ REFUSED = {
 REFERENCE_COVERS = ("llama", "qwen2", "qwen3", "llama3")
 PROMPT_LENGTHS = (40, 150)
 NUM_TOKENS = 96
-NOTHING_EVICTED = {"kv_budget": 1024}
-NOTHING_EVICTED_GVOTE = {"kv_gvote_p": 1.0}  # every budget is the whole prompt
 
 
 def model_dir(architecture: str) -> str:
@@ -74,23 +75,15 @@ def none_outputs(architecture: str) -> list:
 
 
 def reference_for(architecture: str, policy: dict):
-    from vllm_kvprune.config import KVPolicyConfig
-    from vllm_kvprune.reference.gvote import GVoteReference
-    from vllm_kvprune.reference.h2o import H2OReference
-    from vllm_kvprune.reference.model import load_reference_model
-    from vllm_kvprune.reference.paged_eviction import PagedEvictionReference
-    from vllm_kvprune.reference.streaming import StreamingLLMReference
+    """The policy's own reference (`vllm_kvprune.reference.<module>.from_config`) on the model."""
+    import importlib
 
-    model = load_reference_model(model_dir(architecture))
+    from vllm_kvprune.config import KVPolicyConfig
+    from vllm_kvprune.reference.model import load_reference_model
+
     config = KVPolicyConfig.from_dict(policy)
-    if config.name == "streaming":
-        return StreamingLLMReference(model, budget=config.budget, sinks=config.sinks, positions=config.positions)
-    if config.name == "gvote":
-        return GVoteReference(model, p_nuc=config.gvote_p, samples=config.gvote_samples,
-                              future=config.gvote_future, seed=config.gvote_seed)
-    if config.name == "h2o":
-        return H2OReference(model, budget=config.budget, recent=config.recent_size, sinks=config.sinks)
-    return PagedEvictionReference(model, budget=config.budget, block_size=32, sinks=config.sinks)
+    module = importlib.import_module(f"vllm_kvprune.reference.{config.policy.reference}")
+    return module.from_config(load_reference_model(model_dir(architecture)), config, 32)
 
 
 def assert_same_tokens(outputs, expected) -> None:
@@ -159,8 +152,8 @@ def test_matrix(architecture: str, policy_name: str) -> None:
     prompt_ids = prompts(PROMPT_LENGTHS)
     inputs = [{"prompt_token_ids": p} for p in prompt_ids]
     with zoo_engine(architecture, policy) as llm:
-        unpruned = llm.generate(inputs, greedy(NUM_TOKENS, **(NOTHING_EVICTED_GVOTE if policy["name"] == "gvote"
-                                                                else NOTHING_EVICTED)), use_tqdm=False)
+        unpruned = llm.generate(inputs, greedy(NUM_TOKENS, **POLICY_CASES[policy["name"]]["nothing_evicted"]),
+                                use_tqdm=False)
         pruned = []
         for prompt in inputs:  # step by step, checking the cap of the policy's group
             llm.llm_engine.add_request(str(len(pruned)), prompt, greedy(NUM_TOKENS))

@@ -12,7 +12,9 @@ prompts are prefilled in chunks:
 - with nothing evicted, the output equals `none`'s;
 - preemption and recompute: a workload that outgrows the pool is preempted, and every
   request still equals the reference;
-- aborts mid-way; after every case every block is back in the pool.
+- the policy's preemption metric counts what vLLM's does;
+- aborts mid-way; after every case every block is back in the pool, and the worker holds no
+  state of a request that ended.
 Tensor parallelism (`test_tensor_parallel.py`) and vLLM's default mode (`test_default_mode.py`)
 read the same cases.
 """
@@ -22,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import BLOCK_SIZE, POLICY_CASES as CASES, engine, policy_settings as settings_of, scheduler_of
+from conftest import BLOCK_SIZE, POLICY_CASES as CASES, engine, policy_settings as settings_of, runner_of, scheduler_of
 from test_streaming_engine import all_blocks_free, assert_same_as, greedy, prompts, run_steps
 
 from vllm_kvprune.policies import REGISTRY
@@ -72,7 +74,7 @@ def policy_run(request, tiny_model, fdc_files, none_outputs):
             kept_all = llm.generate(prompt_ids, greedy(NUM_TOKENS), use_tqdm=False)
             assert all_blocks_free(llm)
     with engine(tiny_model, settings_of(name, case["engine"], fdc_files), kv_blocks=POOL_BLOCKS,
-                max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=STEP_TOKENS) as llm:
+                max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=STEP_TOKENS, disable_log_stats=False) as llm:
         if kept_all is None:
             kept_all = llm.generate(prompt_ids, greedy(NUM_TOKENS, **case["nothing_evicted"]), use_tqdm=False)
         yield name, llm, policy_from_vllm_config(llm.llm_engine.vllm_config), kept_all
@@ -118,16 +120,35 @@ def test_preemption_and_recompute_match_the_reference(policy_run, reference_mode
         nonlocal most
         most = max([most, *(r.num_preemptions for r in scheduler_of(llm).requests.values())])
 
+    before = preemption_counts(llm)
     finished = run_steps(llm, prompt_ids, params, on_step=watch)
     assert most > 0, "the workload was meant to outgrow the pool"
     for i, prompt in enumerate(prompt_ids):
         assert_same_as(reference_for(reference_model, config, override), [finished[str(i)]], [prompt], NUM_TOKENS)
     assert all_blocks_free(llm)
+    ours, vllms = (after - start for after, start in zip(preemption_counts(llm), before))
+    assert ours == vllms > 0, "the policy's preemption metric counts what vLLM's does"
+
+
+def preemption_counts(llm) -> tuple[float, float]:
+    """(`vllm:kvprune_preemptions`, `vllm:num_preemptions`) so far, from `LLM.get_metrics()`."""
+    totals = {"vllm:kvprune_preemptions": 0.0, "vllm:num_preemptions": 0.0}
+    for metric in llm.get_metrics():
+        if metric.name in totals:
+            totals[metric.name] += metric.value
+    return totals["vllm:kvprune_preemptions"], totals["vllm:num_preemptions"]
 
 
 def test_aborts_midway_return_every_block(policy_run):
     _, llm, _, _ = policy_run
     prompt_ids = prompts((50, 120, 200, 10, 80, 300), seed=3)
-    finished = run_steps(llm, prompt_ids, [greedy(150)] * len(prompt_ids), abort=(30, ["1", "3", "4"]))
+    seen: set[str] = set()
+    finished = run_steps(llm, prompt_ids, [greedy(150)] * len(prompt_ids), abort=(30, ["1", "3", "4"]),
+                         on_step=lambda: seen.update(scheduler_of(llm).requests))
     assert {"0", "2", "5"} <= set(finished)
     assert all_blocks_free(llm)
+    # vLLM tells the worker about finished requests on the next step: after one more, it holds
+    # nothing of them.
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], greedy(2), use_tqdm=False)
+    kv_state = runner_of(llm).kv_state
+    assert len(seen) == len(prompt_ids) and not set(kv_state.requests) & seen

@@ -60,8 +60,9 @@ PARITY_CASES = [
 ]
 
 
-# The suite runs a set that covers every pair of settings; --heavy, all eight.
-SUITE_CASES = {("original", 1, "full"), ("original", 8, "streaming"), ("cache", 1, "streaming"), ("cache", 8, "full")}
+# The suite runs a set that covers every pair of settings (the conformance suite,
+# tests/test_policy_conformance.py, runs ("original", 1 and 8, "full")); --heavy, all eight.
+SUITE_CASES = {("original", 8, "streaming"), ("cache", 1, "streaming"), ("cache", 8, "full")}
 
 
 @pytest.mark.parametrize("positions, interval, prefill", [
@@ -157,61 +158,6 @@ def all_blocks_free(llm) -> bool:
 class TestSharedEngine:
     """Tests that share one engine; it is closed when the class ends, before any other opens."""
 
-    def test_invariants_during_a_mixed_batch(self, streaming_llm):
-        rng = np.random.default_rng(1)
-        lengths = rng.integers(3, 300, size=32).tolist()
-        prompt_ids = prompts(lengths, seed=2)
-        params = [greedy(int(rng.integers(20, 200)), **({"kv_budget": int(rng.choice([32, 64, 128, 200]))}
-                                                         if i % 2 else {})) for i in range(32)]
-        batch_ids: set[str] = set()
-
-        def on_step() -> None:
-            batch_ids.update(scheduler_of(streaming_llm).requests)
-            check_invariants(streaming_llm)
-
-        finished = run_steps(streaming_llm, prompt_ids, params, on_step=on_step)
-        assert len(finished) == 32
-        assert all(len(finished[str(i)].outputs[0].token_ids) == params[i].max_tokens for i in range(32))
-        assert all_blocks_free(streaming_llm)
-        # vLLM tells the worker about finished requests on the next step; run one.
-        streaming_llm.generate([{"prompt_token_ids": [1, 2, 3]}], greedy(2), use_tqdm=False)
-        runner = runner_of(streaming_llm)
-        assert len(batch_ids) == 32 and not set(runner.kv_state.requests) & batch_ids
-        assert set(runner.kv_state.requests) <= set(runner.requests)
-
-    def test_abort_midway_returns_every_block(self, streaming_llm):
-        prompt_ids = prompts((50, 120, 200, 10, 80, 300), seed=3)
-        params = [greedy(150)] * len(prompt_ids)
-        finished = run_steps(streaming_llm, prompt_ids, params, abort=(20, ["1", "3", "4"]),
-                             on_step=lambda: check_invariants(streaming_llm))
-        assert {"0", "2", "5"} <= set(finished)
-        assert all_blocks_free(streaming_llm)
-
-    def test_mixed_budgets_equal_solo_runs(self, streaming_llm):
-        budgets = [32, 64, 96, 160]
-        prompt_ids = prompts((40, 90, 130, 20), seed=4)
-        batch = streaming_llm.generate([{"prompt_token_ids": p} for p in prompt_ids],
-                                       [greedy(200, kv_budget=b) for b in budgets], use_tqdm=False)
-        for prompt, budget, together in zip(prompt_ids, budgets, batch):
-            [alone] = streaming_llm.generate([{"prompt_token_ids": prompt}], greedy(200, kv_budget=budget),
-                                             use_tqdm=False)
-            assert together.outputs[0].token_ids == alone.outputs[0].token_ids
-        assert len({tuple(o.outputs[0].token_ids) for o in batch}) == len(budgets)
-
-    def test_mixed_prune_intervals_match_the_reference(self, streaming_llm, reference_model):
-        """`kv_prune_interval` per request: requests of one batch at R = 1, 8 and 32 each get what
-        the reference gives at its own R (its cap, its prune steps)."""
-        from vllm_kvprune.reference.streaming import StreamingLLMReference
-
-        intervals = [1, 8, 32]
-        prompt_ids = prompts((90, 130, 40), seed=6)
-        batch = streaming_llm.generate([{"prompt_token_ids": p} for p in prompt_ids],
-                                       [greedy(150, kv_prune_interval=r) for r in intervals], use_tqdm=False)
-        for prompt, r, output in zip(prompt_ids, intervals, batch):
-            reference = StreamingLLMReference(reference_model, budget=BUDGET, sinks=SINKS, prune_interval=r)
-            assert_same_as(reference, [output], [prompt], 150)
-        assert all_blocks_free(streaming_llm)
-
     @pytest.mark.parametrize("shift_and_append", [False, True])
     def test_shift_and_append_baseline_keeps_the_same_tokens(self, streaming_llm, reference_model, monkeypatch,
                                                              shift_and_append):
@@ -250,23 +196,6 @@ class TestSharedEngine:
             streaming_llm.generate([{"prompt_token_ids": [5, 6, 7]}], greedy(8, kv_budget=0), use_tqdm=False)
         [output] = streaming_llm.generate([{"prompt_token_ids": [5, 6, 7]}], greedy(8, kv_budget=64), use_tqdm=False)
         assert len(output.outputs[0].token_ids) == 8
-
-
-def test_preemption_recompute_is_exact(tiny_model, reference_model):
-    """8 short prompts all fit a 12-block pool, then each grows to its 3-block cap: preemptions.
-    Recompute must give what the reference gives, as if never preempted."""
-    from vllm_kvprune.reference.streaming import StreamingLLMReference
-
-    prompt_ids = prompts((10, 12, 20, 8, 100, 15, 25, 9), seed=5)
-    params = [greedy(200)] * len(prompt_ids)
-    with engine(tiny_model, {"name": "streaming", "budget": BUDGET, "sinks": SINKS}, kv_blocks=12 + 1) as llm:
-        finished, most_preemptions = run_counting_preemptions(llm, prompt_ids, params, lambda: check_invariants(llm))
-        assert all_blocks_free(llm)
-    assert most_preemptions > 0, "the pool was meant to force preemption"
-    reference = StreamingLLMReference(reference_model, budget=BUDGET, sinks=SINKS)
-    for i, prompt in enumerate(prompt_ids):
-        expected = reference.generate(prompt, 200, prompt_logprobs=False)
-        assert list(finished[str(i)].outputs[0].token_ids) == expected.token_ids, f"request {i}"
 
 
 def test_request_longer_than_the_whole_pool_completes(tiny_model, reference_model):

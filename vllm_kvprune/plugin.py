@@ -20,7 +20,6 @@ from vllm_kvprune.config import (
     ALL_POLICIES,
     CLI,
     DICT,
-    REQUEST,
     SETTINGS,
     CLIFlags,
     KVConfigError,

@@ -21,7 +21,7 @@ survivors to the front and appends instead, as H2O's own cache does.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
