@@ -33,6 +33,42 @@ ENGINE_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 
+def policies(*, none: bool = True, budgeted: bool | None = None, fdc: bool = True) -> tuple[str, ...]:
+    """The registered policies a benchmark offers (`vllm_kvprune/policies/`): `none` first (with
+    `none`), then those with a budget (`budgeted=True`), those without (`False`), or all; FDC's
+    (`fdc` alone) only with `fdc`, as it needs a calibration file."""
+    from vllm_kvprune.policies import REGISTRY
+
+    return tuple(name for name, policy in REGISTRY.items()
+                 if (none if name == "none" else (budgeted is None or policy.budgeted == budgeted)
+                     and (fdc or policy.layout != "full")))
+
+
+def budget_free() -> tuple[str, ...]:
+    """The policies that choose each request's memory themselves (their worker reports it)."""
+    from vllm_kvprune.policies import REGISTRY
+
+    return tuple(name for name, policy in REGISTRY.items() if policy.reports_footprint)
+
+
+def engine_policy(name: str, budget: int | None = None, sinks: int = 4, fdc: str | None = None) -> dict | None:
+    """The `kv_policy` settings of a benchmark's engine: the budget (and `sinks`) where the
+    policy reads them, FDC's calibration file where it is FDC; None for `none`."""
+    from vllm_kvprune.policies import REGISTRY
+
+    if name == "none":
+        return None
+    policy = REGISTRY[name]
+    settings: dict[str, Any] = {"name": name}
+    if policy.budgeted:
+        settings["budget"] = budget
+        if policy.reads("sinks"):
+            settings["sinks"] = sinks
+    if policy.layout == "full":
+        settings["fdc"] = fdc
+    return settings
+
+
 # A benchmark that runs each engine in a child process of its own: the child prints its result
 # as one line with this prefix, the parent reads the last such line.
 RESULT_PREFIX = "RESULT "

@@ -18,13 +18,16 @@ The job (JSON)::
      "threads": 1,                            # optional torch.set_num_threads (on a busy
                                               # 2-core box 1 thread is far faster than 2)
      "stop_at_eos": false,                    # optional; default: exactly max_new_tokens tokens
-     "compression_ratios": [0.9, null, ...]}  # optional, one per prompt: the press's
+     "compression_ratios": [0.9, null, ...],  # optional, one per prompt: the press's
                                               # compression_ratio for that prompt (null: the
                                               # press's own)
+     "kept_positions": true}                  # optional (scorer presses): each result gets the
+                                              # kept positions per layer and KV head, and scores
 
 Presses: ``none`` (no compression), ``StreamingLLMPress`` (``compression_ratio``, ``n_sink``),
 ``ObservedAttentionPress`` (H2O-like, ``compression_ratio``; eager attention),
-``KnormPress`` (``compression_ratio``); the snake-case names (``streaming_llm``,
+``KnormPress`` (``compression_ratio``), ``SnapKVPress`` (``compression_ratio``, ``window_size``,
+``kernel_size``); the snake-case names (``streaming_llm``,
 ``observed_attention``, ``knorm``) are accepted too. The settings go to the press's constructor.
 
 How kvpress is driven (its 0.5.5 API, as in ``KVPressTextGenerationPipeline._forward`` and
@@ -75,6 +78,7 @@ PRESSES = {
     "observed_attention": "ObservedAttentionPress",
     "knormpress": "KnormPress",
     "knorm": "KnormPress",
+    "snapkvpress": "SnapKVPress",
 }
 NEEDS_EAGER = {"ObservedAttentionPress"}
 DTYPES = ("float32", "bfloat16", "float16")
@@ -83,7 +87,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 def press_class_name(name: str) -> str | None:
     key = str(name).lower()
     if key not in PRESSES:
-        supported = "none, StreamingLLMPress, ObservedAttentionPress, KnormPress"
+        supported = "none, StreamingLLMPress, ObservedAttentionPress, KnormPress, SnapKVPress"
         raise ValueError(f"unknown press {name!r}; supported: {supported}")
     return PRESSES[key]
 
@@ -133,11 +137,34 @@ def step_stats(logits) -> tuple[int, float, float]:
     return token, float(logprobs[token]), float(top.values[0] - top.values[1])
 
 
-def generate(model, press, prompt: list[int], max_new_tokens: int, stop_ids: set[int]) -> dict:
-    """Prefill under the press, then greedy decoding (kvpress's pipeline loop, on token ids)."""
+def record_kept(press) -> dict[int, dict]:
+    """Wraps a scorer press's `score`: for each layer, the positions each KV head keeps (those
+    `compress` keeps: the top `compute_n_kept` scores, here sorted) and the scores themselves
+    (where two tie). Fills the returned dict, by layer, as the prompt is prefilled."""
+    from kvpress.utils import compute_n_kept
+
+    recorded: dict[int, dict] = {}
+    score = press.score
+
+    def recording_score(module, hidden_states, keys, values, attentions, kwargs):
+        scores = score(module, hidden_states, keys, values, attentions, kwargs)
+        n_kept = compute_n_kept(keys.shape[2], press.compression_ratio)
+        kept = scores.topk(n_kept, dim=-1).indices.sort(dim=-1).values
+        recorded[module.layer_idx] = {"kept": kept[0].tolist(), "scores": scores[0].float().tolist()}
+        return scores
+
+    press.score = recording_score
+    return recorded
+
+
+def generate(model, press, prompt: list[int], max_new_tokens: int, stop_ids: set[int],
+             kept_positions: bool = False) -> dict:
+    """Prefill under the press, then greedy decoding (kvpress's pipeline loop, on token ids);
+    with `kept_positions`, also what a scorer press kept of the prompt, per layer and KV head."""
     import torch
     from transformers import DynamicCache
 
+    recorded = record_kept(press) if kept_positions and press is not None else None
     started = time.perf_counter()
     input_ids = torch.tensor([prompt], dtype=torch.long)
     cache = DynamicCache()
@@ -170,6 +197,8 @@ def generate(model, press, prompt: list[int], max_new_tokens: int, stop_ids: set
         "kv_kept_per_layer": kept,
         "prefill_seconds": prefill_seconds,
         "seconds": time.perf_counter() - started,
+        **({} if recorded is None else {"kept_positions": [recorded[layer]["kept"] for layer in sorted(recorded)],
+                                        "scores": [recorded[layer]["scores"] for layer in sorted(recorded)]}),
     }
 
 
@@ -225,7 +254,8 @@ def run(job: dict) -> dict:
     for prompt, ratio in zip(job["prompts"], ratios):
         if press is not None:
             press.compression_ratio = configured_ratio if ratio is None else ratio
-        results.append(generate(model, press if ratio != 0 else None, prompt, job["max_new_tokens"], stop_ids))
+        results.append(generate(model, press if ratio != 0 else None, prompt, job["max_new_tokens"], stop_ids,
+                                bool(job.get("kept_positions"))))
     return {
         "versions": versions(),
         "press": {"name": class_name, **{k: v for k, v in spec.items() if k != "name"}},

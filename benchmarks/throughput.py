@@ -52,7 +52,7 @@ from tqdm import tqdm
 
 from benchmarks import common
 # What a case is and how one is measured live with the child that runs it.
-from benchmarks.throughput_case import BUDGET_FREE, KEEP_ALL, WITH_FDC, Case, EngineSettings, Workload
+from benchmarks.throughput_case import BUDGET_FREE, BUDGETED, KEEP_ALL, WITH_FDC, Case, EngineSettings, Workload
 # The table, the plot, the ratios and the target lines (shared with the results page).
 from benchmarks.throughput_report import (
     MATCHED_POLICY, MEMORY_BOUND, OVERHEAD, plot_throughput, summary, table_cells, target_lines, with_ratios,
@@ -301,8 +301,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--gen-tokens", type=int, default=None, help=f"generated tokens per request ({full['gen_tokens']})")
     add("--budgets", type=int, nargs="+", default=None, help=f"budgets of each policy ({full['budgets']})")
     add("--policies", nargs="+", default=["streaming", "h2o", "paged_eviction"],
-        choices=("streaming", "h2o", "paged_eviction", *BUDGET_FREE, *KEEP_ALL, *WITH_FDC),
-        help="policies of the memory-bound cases (default: the three budgeted ones); a budget-free "
+        choices=(*BUDGETED, *BUDGET_FREE, *KEEP_ALL, *WITH_FDC),
+        help="policies of the memory-bound cases (default: three budgeted ones); a budget-free "
              f"one ({', '.join(BUDGET_FREE)}) runs once, then {MATCHED_POLICY} runs at the mean "
              "blocks per request it measured (equal memory)")
     add("--pool-blocks", type=int, default=None,

@@ -21,9 +21,19 @@ from typing import Any, Sequence
 
 from benchmarks import common
 
-BUDGET_FREE = ("gvote",)  # choose their own memory per request: one case each, no budget
-KEEP_ALL = ("fdc",)  # keep every token, each narrower (the pool's bytes hold more blocks): one case
-WITH_FDC = ("streaming+fdc", "paged_eviction+fdc")
+
+def _composes_with_fdc(name: str) -> bool:
+    from vllm_kvprune.policies import REGISTRY
+
+    return REGISTRY[name].composes_with_fdc
+
+# From the registry's traits: the budgeted policies, those that choose their own memory per
+# request (one case each, no budget), those that keep every token, each narrower (the pool's
+# bytes hold more blocks: one case), and each budgeted one that FDC's narrow heads compose with.
+BUDGETED = common.policies(none=False, budgeted=True)
+BUDGET_FREE = common.budget_free()
+KEEP_ALL = tuple(name for name in common.policies(none=False, budgeted=False) if name not in BUDGET_FREE)
+WITH_FDC = tuple(f"{name}+fdc" for name in BUDGETED if _composes_with_fdc(name))
 
 # ---- what is measured ------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -155,16 +165,11 @@ def build_llm(engine: EngineSettings, case: Case):
         enable_prefix_caching=False,
         seed=0,
     )
-    if case.policy in BUDGET_FREE:
-        kwargs["additional_config"] = {"kv_policy": {"name": case.policy}}
-    elif case.policy in KEEP_ALL:
-        kwargs["additional_config"] = {"kv_policy": {"name": case.policy, "fdc": engine.fdc}}
-    elif case.policy != "none":
-        kwargs["additional_config"] = {
-            "kv_policy": {"name": case.base_policy, "budget": case.budget, "sinks": engine.sinks}
-        }
+    settings = common.engine_policy(case.base_policy, case.budget, engine.sinks, engine.fdc)
+    if settings is not None:
         if case.policy in WITH_FDC:
-            kwargs["additional_config"]["kv_policy"]["fdc"] = engine.fdc
+            settings["fdc"] = engine.fdc
+        kwargs["additional_config"] = {"kv_policy": settings}
     return LLM(**kwargs)
 
 

@@ -27,26 +27,19 @@ from typing import Any
 from benchmarks import common
 
 RESULT_STEM = "results/ttft"
-BUDGETED = ("streaming", "h2o", "paged_eviction")
-POLICIES = ("none", *BUDGETED, "gvote", "fdc")
+POLICIES = common.policies()  # the registry's
 
 
 def policy_config(policy: str, budget: int, fdc: str | None) -> dict[str, Any] | None:
-    if policy == "none":
-        return None
-    if policy == "fdc":
-        return {"name": "fdc", "fdc": fdc}
-    if policy == "gvote":
-        return {"name": "gvote"}
-    return {"name": policy, "budget": budget, "sinks": 4}
+    return common.engine_policy(policy, budget, fdc=fdc)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("--policies", nargs="+", default=[p for p in POLICIES if p != "fdc"], choices=POLICIES,
+    add("--policies", nargs="+", default=list(common.policies(fdc=False)), choices=POLICIES,
         help="fdc needs --fdc FILE (vllm-kvprune calibrate fdc MODEL --out FILE)")
     add("--prompt-tokens", type=int, nargs="+", default=[1024, 4096, 7168])
-    add("--budget", type=int, default=512, help="budget of streaming, h2o and paged_eviction")
+    add("--budget", type=int, default=512, help="budget of the budgeted policies")
     add("--repeats", type=int, default=3)
     add("--fdc", default=None, metavar="FILE")
     add("--tiny", action="store_true", help="the tiny random model (a smoke run)")
@@ -113,7 +106,8 @@ def measure(args: argparse.Namespace, policy: str) -> list[dict[str, Any]]:
             llm.generate([{"prompt_token_ids": tokens[repeat * longest: repeat * longest + length]}], params,
                          use_tqdm=False)
             seconds.append(time.perf_counter() - began)
-        rows.append({"policy": policy, "budget": args.budget if policy in BUDGETED else None, "prompt_tokens": length,
+        rows.append({"policy": policy, "budget": (common.engine_policy(policy, args.budget) or {}).get("budget"),
+                     "prompt_tokens": length,
                      "ttft_ms": 1000 * statistics.median(seconds), "ttft_ms_all": [1000 * s for s in seconds]})
         print(f"[ttft] {policy} {length} tokens: {rows[-1]['ttft_ms']:.0f} ms", file=sys.stderr, flush=True)
     common.shutdown(llm)

@@ -19,14 +19,12 @@ positions, fp32 on both sides: the greedy continuations must be the same tokens.
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 
 import numpy as np
 import pytest
 
-from conftest import engine
+from conftest import POLICY_CASES, engine
 from test_streaming_engine import greedy, tokens_and_logprobs
 
 from benchmarks import kvpress_runner
@@ -88,6 +86,62 @@ def test_streaming_agrees_with_kvpress_streamingllm(kvpress_venv, real_model):
         print(f"prompt {len(prompt)} -> kept {n_kept}: {NEW_TOKENS} tokens agree, max |logprob diff| {diff:.1e}, "
               f"smallest kvpress margin {min(result['margins']):.2e}")
         assert diff < 1e-2
+
+
+# The policies whose `kvpress` press keeps a prompt's tokens by the same rule (their cases say so).
+KEPT_AS_KVPRESS = [name for name, case in POLICY_CASES.items() if case.get("kvpress_keeps_the_same")]
+# Two scores closer than this (relative to the layer's largest) are a tie within fp32 rounding
+# of the two stacks (transformers' attention and ours order their sums differently).
+TIE = 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", KEPT_AS_KVPRESS)
+def test_kept_positions_agree_with_kvpress(name, kvpress_venv, real_model):
+    """The same model, prompts and settings in fp32: after the prompt, the positions each layer
+    and KV head keeps are the press's (kvpress's `compress` keeps its top `compute_n_kept`
+    scores; our policy keeps `budget - 1` by the step rule, so the budget is set per prompt to
+    match). Where the sets differ, every differing position's score must tie the press's last
+    kept one within fp32 rounding; the test prints how many differ."""
+    from vllm import SamplingParams
+
+    from vllm_kvprune.config import KVPolicyConfig
+
+    prompts = essay_prompts(real_model)
+    budgets = [len(p) // 2 + 1 for p in prompts]  # half of each prompt is kept
+    ratios = [1 - (budget - 1 + 0.5) / len(prompt) for budget, prompt in zip(budgets, prompts)]
+    policy = {**POLICY_CASES[name]["engine"], "name": name, "budget": max(budgets)}
+    config = KVPolicyConfig.from_dict(policy)
+    spec = {"name": config.policy.kvpress, **config.policy.kvpress_settings(config)}
+    press = kvpress_runner.run_kvpress(
+        {"model": real_model, "prompts": prompts, "max_new_tokens": 1, "dtype": "float32", "threads": 1,
+         "press": spec, "compression_ratios": ratios, "kept_positions": True}, timeout=KVPRESS_TIMEOUT)
+    with engine(real_model, policy, kv_blocks=128) as llm:
+        llm.generate([{"prompt_token_ids": p} for p in prompts],
+                     [SamplingParams(temperature=0, max_tokens=1, extra_args={"kv_budget": b}) for b in budgets],
+                     use_tqdm=False)
+        llm.generate([{"prompt_token_ids": [11, 12]}], SamplingParams(max_tokens=1), use_tqdm=False)  # drops them
+        [rank] = llm.collective_rpc("kvprune_ended_choices")
+    ours = {int(request_id.split("-")[0]): choice for request_id, choice in rank["choices"].items()}
+    differing = compared = 0
+    for index, (prompt, result) in enumerate(zip(prompts, press["results"])):
+        kind, kept = ours[index]
+        for layer, (theirs, scores) in enumerate(zip(result["kept_positions"], result["scores"])):
+            for head, (their_head, head_scores) in enumerate(zip(theirs, scores)):
+                mine = kept if kind == "slots" else kept[layer][head]
+                assert len(mine) == len(their_head) == budgets[index] - 1, (index, layer, head)
+                different = set(mine) ^ set(their_head)
+                compared += len(their_head)
+                differing += len(different) // 2
+                if different:
+                    boundary = sorted(head_scores, reverse=True)[len(their_head) - 1]
+                    scale = max(abs(x) for x in head_scores)
+                    for position in different:
+                        assert abs(head_scores[position] - boundary) <= TIE * scale, (
+                            f"prompt {index} layer {layer} head {head}: position {position} (score "
+                            f"{head_scores[position]:.6g}, the press's last kept {boundary:.6g}) is not a tie")
+    print(f"{name}: {compared - differing} of {compared} kept positions equal kvpress's {spec['name']}; "
+          f"{differing} differ, each a tie within fp32 rounding (relative {TIE})")
 
 
 @pytest.mark.slow

@@ -42,6 +42,13 @@ def configuration_table() -> str:
     return "\n".join(rows)
 
 
+def policies_table() -> str:
+    """Every policy and what it keeps (its `summary`)."""
+    rows = ["| policy | keeps |", "|---|---|"]
+    rows += [f"| `{name}` | {policy.summary} |" for name, policy in REGISTRY.items()]
+    return "\n".join(rows)
+
+
 def traits_table() -> str:
     """Every policy's traits: layout, budget, FDC, GPU, eager, the model features it refuses."""
     rows = ["| policy | layout | budget | with FDC's narrow heads | GPU | eager only | refuses (on the layers it prunes) |",
@@ -61,7 +68,8 @@ def traits_table() -> str:
     return "\n".join(rows)
 
 
-TABLES = {"config-table": (ROOT / "README.md", configuration_table),
+TABLES = {"policies-table": (ROOT / "README.md", policies_table),
+          "config-table": (ROOT / "README.md", configuration_table),
           "traits-table": (ROOT / "docs" / "MODELS.md", traits_table)}
 
 

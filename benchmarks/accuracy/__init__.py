@@ -6,7 +6,8 @@ haystack over 1K-7K contexts and 0-100% depths (`needle.py`), key-value retrieva
 Every budgeted policy runs at every budget; `none` (the full cache) is the ceiling; budget-free
 `gvote` runs at each of its settings (the paper's sweeps over p and S) and meets the others at
 equal KV memory (`memory.py`: blocks held while answering, read from vLLM's block pool).
-kvpress's matching presses (StreamingLLM, ObservedAttention, KNorm) run the prompt tasks on
+kvpress's matching presses (each policy's `kvpress` trait: StreamingLLM, ObservedAttention,
+KNorm, SnapKV) run the prompt tasks on
 the same prompts at matched kept-token counts, in their own venv (`scripts/setup_kvpress.sh`);
 `--reuse-kvpress` takes their records from the files of an earlier run with the same cases.
 
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import common
 from benchmarks.accuracy.arithmetic import Arithmetic
 from benchmarks.accuracy.kv_retrieval import KVRetrieval
 from benchmarks.accuracy.needle import Needle
@@ -33,7 +35,8 @@ NAME = "accuracy"
 TASK_TYPES: dict[str, type[Task]] = {"perplexity": Perplexity, "needle": Needle, "kv_retrieval": KVRetrieval,
                                      "arithmetic": Arithmetic}
 TASK_NAMES = tuple(TASK_TYPES)
-POLICIES = ("streaming", "h2o", "paged_eviction", "gvote")
+# Every registered policy but `none` (the ceiling, always run) and FDC (`benchmarks fdc-accuracy`).
+POLICIES = common.policies(none=False, fdc=False)
 CHOICES = (*POLICIES, "paged_eviction_paper")  # an ablation (ours.VARIANTS), on request
 # Settings that decide which cases a task builds and how kvpress ran them: an earlier run's
 # kvpress records are reused only where all of these match.
@@ -131,17 +134,17 @@ def run(args: argparse.Namespace) -> int:
                                        dtype=args.dtype, enforce_eager=args.enforce_eager)
         records += found
         timings += timed
-    pairs = {policy: kvpress_side.PRESS_OF_POLICY[policy] for policy in args.policies
-             if policy in kvpress_side.PRESS_OF_POLICY}
+    specs = kvpress_side.press_specs(args.policies, args.sinks)
+    pairs = {policy: spec["name"] for policy, spec in specs.items()}
     if reused is not None:
         wanted = {"none", *pairs.values()}
         records += [r for r in reused[0] if r["method"] in wanted]
         timings += [t for t in reused[1] if t["method"] in wanted]
     elif args.kvpress:
         full_cache: dict = {}
-        for press in ("none", *pairs.values()):
-            found, timed = kvpress_side.run_press(model, press, press_work, tokenizer, args.sinks,
-                                                  args.kvpress_threads, full_cache, args.kvpress_timeout, args.dtype)
+        for spec in ({"name": "none"}, *specs.values()):
+            found, timed = kvpress_side.run_press(model, spec, press_work, tokenizer, args.kvpress_threads, full_cache,
+                                                  args.kvpress_timeout, args.dtype)
             records += found
             timings += timed
     write_reports(args, tasks, records, timings, pairs, time.perf_counter() - started)

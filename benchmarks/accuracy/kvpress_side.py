@@ -15,8 +15,6 @@ from benchmarks.accuracy.report import KVPRESS
 from benchmarks.accuracy.task import Answer, Case, Task
 from benchmarks.kvpress_runner import run_kvpress
 
-# Our policy -> the kvpress press that keeps tokens by the same rule.
-PRESS_OF_POLICY = {"streaming": "StreamingLLMPress", "h2o": "ObservedAttentionPress", "paged_eviction": "KnormPress"}
 
 
 def compression_ratio(prompt_tokens: int, kept: int) -> float:
@@ -38,21 +36,38 @@ def matched_runs(cases: Sequence[Case], budgets: Sequence[int] | None) -> list[t
     return [(case, b) for b in budgets for case in cases if prunes(case, b)]
 
 
-def press_spec(press: str, sinks: int) -> dict[str, Any]:
-    return {"name": press, "n_sink": sinks} if press == "StreamingLLMPress" else {"name": press}
+def press_specs(policies: Sequence[str], sinks: int) -> dict[str, dict[str, Any]]:
+    """Our policy -> the kvpress press that keeps tokens by the same (or the nearest) rule, with
+    its settings matching ours at `sinks` (each policy's `kvpress` trait and `kvpress_settings`)."""
+    from vllm_kvprune.config import KVPolicyConfig
+    from vllm_kvprune.policies import REGISTRY
+
+    specs = {}
+    for name in policies:
+        policy = REGISTRY.get(name)
+        if policy is None or policy.kvpress is None:
+            continue  # an ablation's name, or a policy kvpress has nothing for
+        settings = {"name": name, "budget": 1024} if policy.budgeted else {"name": name}
+        if policy.reads("sinks"):
+            settings["sinks"] = sinks
+        config = KVPolicyConfig.from_dict(settings)
+        specs[name] = {"name": policy.kvpress, **policy.kvpress_settings(config)}
+    return specs
 
 
-def run_press(model: str, press: str, work: Sequence[tuple[Task, list[Case]]],
-              tokenizer: Any, sinks: int, threads: int, full_cache: dict[tuple[str, str], Answer],
+def run_press(model: str, spec: dict[str, Any], work: Sequence[tuple[Task, list[Case]]],
+              tokenizer: Any, threads: int, full_cache: dict[tuple[str, str], Answer],
               timeout: float, dtype: str = "bfloat16") -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Records and timings of one press (`none`: full cache) on the tasks kvpress can run.
-    `full_cache` maps (task, case id) to kvpress's full-cache answer; `none` fills it."""
+    """Records and timings of one press (`spec`: its name and settings; `none`: full cache) on
+    the tasks kvpress can run. `full_cache` maps (task, case id) to kvpress's full-cache answer;
+    `none` fills it."""
+    press = spec["name"]
     records, timings = [], []
     for task, cases in work:
         runs = matched_runs(cases, None if press == "none" else task.budgets)
         job = {"model": model, "prompts": [case.prompt_ids for case, _ in runs], "max_new_tokens": max(
             (case.max_tokens for case, _ in runs), default=1), "dtype": dtype, "threads": threads,
-            "stop_at_eos": True, "press": {"name": "none"} if press == "none" else press_spec(press, sinks),
+            "stop_at_eos": True, "press": dict(spec),
             "compression_ratios": [None if b is None else compression_ratio(len(c.prompt_ids), b - 1) for c, b in runs]}
         print(f"[{KVPRESS} {press}] {task.name}: {len(runs)} runs", flush=True)
         started = time.perf_counter()

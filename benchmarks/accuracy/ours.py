@@ -22,7 +22,7 @@ from benchmarks.accuracy.report import BUDGET_FREE, OURS, default_setting
 from benchmarks.accuracy.task import Answer, Case, Task
 
 # Policies that keep every token (fdc narrows them instead): one run per case, no budget.
-WHOLE_CACHE = ("none", "fdc")
+WHOLE_CACHE = tuple(name for name in common.policies(budgeted=False) if name not in common.budget_free())
 # Ablations: a policy of ours at other per-request settings, run and reported under a name of
 # its own. `paged_eviction_paper`: the paper's own rule (no protected sinks, no protected newest
 # block: every block a candidate), next to ours.
@@ -75,10 +75,8 @@ def build_engine(model: str, policy: str, budget: int | None, sinks: int, pool_g
                    logits_processors=[ForcedTokens], **overrides)
     if policy_config is not None:
         options["additional_config"] = {"kv_policy": dict(policy_config)}
-    elif policy in BUDGET_FREE:
-        options["additional_config"] = {"kv_policy": {"name": policy}}
     elif policy != "none":
-        options["additional_config"] = {"kv_policy": {"name": policy, "budget": budget, "sinks": sinks}}
+        options["additional_config"] = {"kv_policy": common.engine_policy(policy, budget, sinks)}
     return LLM(**options)
 
 

@@ -12,6 +12,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from benchmarks import common
 from benchmarks.accuracy.task import Task
 
 OURS = "vllm-kvprune"
@@ -19,7 +20,7 @@ KVPRESS = "kvpress"
 FULL_CACHE = "full cache"
 # Policies with no budget: each request's memory is theirs to choose, so they are compared
 # with the others at equal memory, one point per setting.
-BUDGET_FREE = ("gvote",)
+BUDGET_FREE = common.budget_free()
 
 
 def method_keys(records: Iterable[dict[str, Any]]) -> list[tuple[str, str]]:

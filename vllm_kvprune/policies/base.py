@@ -45,7 +45,9 @@ class Policy:
     with it, else why not), `gpu` (the GPU wrappers carry it out), `model_refusals` (model
     features it cannot honour, a `worker/features.py` feature name -> why), `eager` (why it
     needs eager mode, None if it does not), `reference` (its oracle's module under
-    `vllm_kvprune.reference`, with a `from_config(model, config)`).
+    `vllm_kvprune.reference`, with a `from_config(model, config, block_size)`), `kvpress` (the
+    press of NVIDIA's kvpress that keeps a prompt's tokens by the same or the nearest rule, for
+    the benchmarks' side-by-side runs; its settings: `kvpress_settings`).
 
     Decisions: the methods its layout's planner calls (see each layout's planner).
     """
@@ -61,6 +63,7 @@ class Policy:
     model_refusals: ClassVar[Mapping[str, str]] = {}
     eager: ClassVar[str | None] = None
     reference: ClassVar[str | None] = None
+    kvpress: ClassVar[str | None] = None
 
     # ---- traits derived from the declarations ----------------------------------------------
     def reads(self, setting_name: str) -> bool:
@@ -106,6 +109,10 @@ class Policy:
     def explain_capacity(self, config: KVPolicyConfig, block_size: int) -> str:
         """Why a request needs the blocks it does (admission's messages)."""
         return f"{self.name} keeps every token of a request's prompt and output, as without a policy"
+
+    def kvpress_settings(self, config: KVPolicyConfig) -> dict[str, Any]:
+        """The `kvpress` press's constructor settings that match `config` (the compression ratio aside)."""
+        return {}
 
     def check_model(self, model: Any, layer_names: list[str]) -> str | None:
         """Why the loaded model cannot run this policy beyond its attention features (one line), or None."""

@@ -36,10 +36,15 @@ class FdcPolicy(Policy):
     """Narrower heads, every token kept (`full` layout: vLLM's own block tables)."""
 
     name = "fdc"
-    summary = ("FDC: every token, each KV head narrower: per layer and KV head a rotation of the post-RoPE queries "
-               "and keys (and of the values) and a rank, fitted offline (`vllm-kvprune calibrate fdc`); served, "
-               "q/k/v are projected after RoPE, the reduced K/V cached packed side by side and attended in the "
-               "reduced space (`docs/FDC.md`)")
+    summary = ('FDC: every token, each KV head narrower. Offline, `vllm-kvprune calibrate fdc MODEL --out FILE` fits '
+               'per layer and KV head a rotation of the post-RoPE queries and keys (and of the values) and a rank '
+               'per head from one removal rate; served, the attention backend projects q/k/v after RoPE, caches each '
+               "head's reduced K/V packed side by side (no padding to the widest head), attends in the reduced space "
+               "in a C++ kernel (LPT schedule) and turns the output back. vLLM's KV-cache spec reports each layer's "
+               'narrower token, so the same memory holds more tokens (the mean width over layers sets the pool). '
+               'Compiled or eager. Composes with the policies that read `fdc` (`--kv-policy streaming --kv-fdc '
+               "FILE`: the policy's cap of narrower blocks; docs/MODELS.md's traits table says which and why not). "
+               '`docs/FDC.md`')
     layout = "full"
     settings = (FDC,)
     refused_settings = {"budget": _KEEPS_ALL, "window": _KEEPS_ALL}

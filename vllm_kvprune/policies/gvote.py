@@ -35,10 +35,14 @@ class GVotePolicy(Policy):
     """Budget-free, per-head keep sets of different lengths (`head_pages` layout)."""
 
     name = "gvote"
-    summary = ("GVote, budget-free: at the end of each prompt, per layer, synthetic future queries (drawn from a "
+    summary = ('GVote, budget-free: at the end of each prompt, per layer, synthetic future queries (drawn from a '
                "Gaussian fitted to the layer's hidden states, projected and rotated by the model's own weights and "
-               "RoPE) vote for keys; each KV head keeps the union of its group's votes, its own length, packed in "
-               "head-pages; nothing is evicted after the vote (`docs/GVOTE.md`)")
+               "RoPE) vote for keys; each KV head keeps the union of its group's votes, **its own length**. The kept "
+               "tokens of each head are packed into head-pages (one KV head's block), so a request holds `ceil(max "
+               'over layers of sum_h ceil(len_h / block_size) / H)` blocks: memory follows the mean over heads, not '
+               "the longest head; the surplus goes back to the pool at once (the worker reports each request's need "
+               'on the step output). Nothing is evicted after the vote. Runs eager (`--enforce-eager` is set for '
+               'it). Method and choices: `docs/GVOTE.md`')
     layout = "head_pages"
     settings = (P, SAMPLES, FUTURE, SEED)
     refused_settings = {"budget": _OWN_FOOTPRINT, "window": _OWN_FOOTPRINT,

@@ -22,17 +22,19 @@ class H2OPolicy(HeadScorerPolicy):
     mass is every query's softmax probabilities, added up (`keeps_attention_mass`)."""
 
     name = "h2o"
-    summary = ("H2O: per layer and KV head, the `sinks`, the `recent` newest tokens and the tokens with the most "
-               "accumulated attention mass (a KV head sums its GQA query group); each head evicts its own "
+    summary = ('H2O: per layer and KV head, the `sinks`, the `recent` newest tokens and the tokens with the most '
+               'accumulated attention mass (a KV head sums its GQA query group); each head evicts its own '
                "lowest-mass token and the new token's K/V for that head is written into that head's victim slot "
-               "(EQUIP per head); mass from a kernel that computes decode attention and mass in one pass; lazy "
-               "pruning")
+               "(EQUIP per head: all heads hold the same number of tokens, so vLLM's attention reads them "
+               'unchanged); mass from a C++ kernel that computes decode attention and mass in one pass, never '
+               'materialising attention; lazy pruning')
     settings = (*BudgetedPolicy.settings, RECENT)
     notes = {"recent": "`h2o`: newest tokens every head keeps (default `(budget - sinks) // 2`); the other "
                        "`budget - 1 - sinks - recent` kept tokens are heavy hitters"}
     fdc_refusal = "h2o's attention mass would have to come from the reduced-space kernel, which does not compute it"
     model_refusals = {"sinks": "its decode attention and mass run in our kernel, which has no learned sinks"}
     reference = "h2o"
+    kvpress = "ObservedAttentionPress"  # heavy hitters by accumulated attention, without sinks or a recent window
     keeps_attention_mass = True
 
     def validate(self, config: KVPolicyConfig, name_of: NameOf) -> KVPolicyConfig:

@@ -25,10 +25,11 @@ class PagedEvictionPolicy(BudgetedPolicy):
     """Scores tokens from K and V as they are written; evicts per layer (`blocks` layout)."""
 
     name = "paged_eviction"
-    summary = ("PagedEviction: the best `budget` prompt tokens of each layer by ‖V‖/‖K‖ (first `sinks` and last "
+    summary = ('PagedEviction: the best `budget` prompt tokens of each layer by ‖V‖/‖K‖ (first `sinks` and last '
                "block always kept); at decode, each time a request's blocks are all full, each layer evicts its "
-               "lowest-scoring block and reuses it in place as its new tail; lazy pruning drops R blocks every R "
-               "fills. `sinks: 0, recent: 0` is the paper's own rule")
+               'lowest-scoring block and reuses it in place as its new tail (per-layer block tables, one shared '
+               '`seq_lens`); lazy pruning drops R blocks every R fills. The kept sinks and newest block are our '
+               "additions: `sinks: 0, recent: 0` is the paper's own rule (every block a candidate)")
     layout = "blocks"
     settings = (*BudgetedPolicy.settings, RECENT, FDC)
     notes = {"recent": "`paged_eviction`: newest tokens never evicted (default: one block): the prompt's last "
@@ -36,6 +37,7 @@ class PagedEvictionPolicy(BudgetedPolicy):
                        "the paper's own rule, every block a candidate"}
     fdc_refusal = None
     reference = "paged_eviction"
+    kvpress = "KnormPress"  # key norms alone: the nearest of kvpress's presses
 
     def check_engine(self, config: KVPolicyConfig, block_size: int, surface: Surface) -> None:
         super().check_engine(config, block_size, surface)

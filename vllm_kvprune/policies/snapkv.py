@@ -50,6 +50,7 @@ class SnapKVPolicy(HeadScorerPolicy):
     fdc_refusal = "snapkv's per-head slots and FDC's packed narrow rows are not combined"
     model_refusals = {"sinks": "its window scores are softmax probabilities without the learned sinks"}
     reference = "snapkv"
+    kvpress = "SnapKVPress"
 
     def validate(self, config: KVPolicyConfig, name_of: NameOf) -> KVPolicyConfig:
         if config.budget is None:
@@ -61,6 +62,9 @@ class SnapKVPolicy(HeadScorerPolicy):
             raise KVConfigError(name_of("snapkv_kernel"), f"must be odd (pooling keeps the prompt's length), got "
                                                           f"{config.snapkv_kernel}")
         return config
+
+    def kvpress_settings(self, config: KVPolicyConfig) -> dict:
+        return {"window_size": config.snapkv_window, "kernel_size": config.snapkv_kernel}
 
     def prompt_tail(self, config: KVPolicyConfig) -> int:
         return config.snapkv_window

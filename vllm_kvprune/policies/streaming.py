@@ -23,12 +23,16 @@ class StreamingPolicy(BudgetedPolicy):
     happen: positions are distinct."""
 
     name = "streaming"
-    summary = ("`sinks` first tokens + the most recent window (StreamingLLM), EQUIP in-place slots, lazy pruning, "
-               "`positions: original/cache`, `prefill: full/streaming`")
+    summary = ('`sinks` first tokens + the most recent window (StreamingLLM), EQUIP in-place slots, lazy pruning, '
+               '`positions: original/cache`, `prefill: full/streaming`')
     layout = "tokens"
     settings = (*BudgetedPolicy.settings, POSITIONS, PREFILL, PREFILL_CHUNK, FDC)
     fdc_refusal = None
     reference = "streaming"
+    kvpress = "StreamingLLMPress"
+
+    def kvpress_settings(self, config: KVPolicyConfig) -> dict:
+        return {"n_sink": config.sinks}
 
     def survivors(self, logical: np.ndarray, keep: int, config: KVPolicyConfig) -> np.ndarray:
         """Slots to keep (at most `keep`), in the order they will be compacted to."""

@@ -124,13 +124,13 @@ class WorkerKVState:
     def _state_for(self, request_id: str, num_computed: int, extra_args: dict | None) -> RequestKVState:
         state = self.requests.get(request_id)
         if state is None or (num_computed == 0 and state.failure is None):
-            # New, or resumed after preemption: it re-prefills from scratch.
-            # A placeholder first, so that a failure below still has a state to fail.
-            state = RequestKVState(config=self.engine_config, policy=self.policy, request_id=request_id)
+            # New, or resumed after preemption: it re-prefills from scratch. Its state first, with
+            # the engine's settings, so that a failure below still has a state to fail (a
+            # request's settings never change its policy, so neither its map).
+            state = RequestKVState(config=self.engine_config, policy=self.policy, request_id=request_id,
+                                   map=PLANNERS[self.policy.layout].new_map(self.tables))
             self.requests[request_id] = state
             state.config = self.engine_config.for_request(extra_args)
-            state.policy = state.config.policy
-            state.map = PLANNERS[state.policy.layout].new_map(self.tables)
         return state
 
     def step_report(self, with_metrics: bool = True) -> dict:

@@ -16,9 +16,9 @@ ours); a streaming prefill applies the rule at each `prefill_chunk`.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -155,23 +155,21 @@ class LayerCall:
                                       *self._forward_args, **self._forward_kwargs)
 
     # ---- timing and containment ---------------------------------------------------------------
-    @contextmanager
-    def moving(self) -> Iterator[None]:
+    def moving(self) -> contextlib.AbstractContextManager:
         """Time spent moving K/V between slots (the metrics' `phase="move"`)."""
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.worker.move_seconds += time.perf_counter() - started
+        return self._timed("move_seconds")
 
-    @contextmanager
-    def scoring(self) -> Iterator[None]:
+    def scoring(self) -> contextlib.AbstractContextManager:
         """Time spent scoring (attention mass, votes, a prompt's choice: `phase="score"`)."""
+        return self._timed("score_seconds")
+
+    @contextlib.contextmanager
+    def _timed(self, total: str) -> Iterator[None]:
         started = time.perf_counter()
         try:
             yield
         finally:
-            self.worker.score_seconds += time.perf_counter() - started
+            setattr(self.worker, total, getattr(self.worker, total) + time.perf_counter() - started)
 
     def per_request(self, items: list, work: Callable[[Any], None], phase: str = "score") -> None:
         """`work(item)` for each item (anything with a `.state`) of a request that has not
