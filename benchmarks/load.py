@@ -34,8 +34,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from benchmarks import common
+
 NAME = "load"
-POLICIES = ("streaming", "h2o", "paged_eviction", "gvote", "fdc", "streaming+fdc")
+# Every registered policy (`benchmarks.common.policies`), and streaming over FDC's narrow heads.
+POLICIES = (*common.policies(none=False), "streaming+fdc")
 FDC_FILE = "{fdc}"  # in SERVER_FLAGS: the calibration the bench makes
 BLOCK_SIZE = 32
 # Per policy: (settings the server starts with, good per-request settings to draw from).
@@ -45,6 +48,7 @@ SERVER_FLAGS: dict[str, list[str]] = {
     "paged_eviction": ["--kv-budget", "128", "--kv-sinks", "4"],  # sink blocks + one evictable + the tail
     "gvote": [],
     "fdc": ["--kv-fdc", FDC_FILE],
+    "snapkv": ["--kv-budget", "96", "--kv-snapkv-window", "16"],
     "streaming+fdc": ["--kv-budget", "64", "--kv-sinks", "4", "--kv-fdc", FDC_FILE],
 }
 GOOD_SETTINGS: dict[str, list[dict]] = {
@@ -53,8 +57,10 @@ GOOD_SETTINGS: dict[str, list[dict]] = {
     "paged_eviction": [{}, {"kv_budget": 96}, {"kv_budget": 128}],
     "gvote": [{}, {"kv_gvote_p": 0.8}, {"kv_gvote_p": 0.6, "kv_gvote_samples": 4}],
     "fdc": [{}],  # budget-free, no per-request settings
+    "snapkv": [{}, {"kv_budget": 64}, {"kv_budget": 128, "kv_snapkv_kernel": 3}],
     "streaming+fdc": [{}, {"kv_budget": 32}, {"kv_budget": 96, "kv_sinks": 8}],
 }
+assert set(SERVER_FLAGS) == set(GOOD_SETTINGS) == set(POLICIES), "every registered policy needs its load settings"
 # (per-request settings, the field the 400 must name); every policy refuses each (a setting of
 # another policy, an unknown key, a wrong type, a value out of range).
 BAD_SETTINGS: list[tuple[dict, str]] = [

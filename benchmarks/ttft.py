@@ -11,7 +11,9 @@ What a policy adds to a prefill, with the default `prefill: full`: `streaming` a
 scores each token's ||V||/||K|| as it is written); `h2o` sums each prompt token's causal
 attention column (its heavy-hitter mass) in an extra pass over the prompt's keys, then
 compacts per KV head; `gvote` votes on each layer after the prompt's last chunk and packs the
-kept tokens into head-pages; `fdc` runs its own kernel over the narrowed heads.
+kept tokens into head-pages; `fdc` runs its own kernel over the narrowed heads; `snapkv`
+scores the prompt by its last `snapkv_window` queries (a window x prompt product per layer and
+KV head, on the keys read back from the cache), then compacts per KV head.
 """
 
 from __future__ import annotations

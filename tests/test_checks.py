@@ -72,6 +72,9 @@ def test_scheduler_check_catches_caps_aliasing_leaks_and_an_unwhole_pool() -> No
     checks.check_scheduler(_scheduler(set(), free=9), [_Manager({}, None)])
 
 
+# The conformance suite runs every policy's preemption and aborts with the checks on; this
+# harder batch (a 13-block pool, mixed budgets) repeats it for two layouts with --heavy.
+@pytest.mark.heavy
 @pytest.mark.parametrize("policy", [{"name": "streaming", "budget": 64, "sinks": 4},
                                     {"name": "h2o", "budget": 64, "recent": 16, "sinks": 4}])
 def test_an_engine_with_the_checks_on_runs_a_hard_batch_cleanly(tiny_model, monkeypatch, policy) -> None:

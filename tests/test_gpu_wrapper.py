@@ -55,6 +55,9 @@ def policy_cases(model: str) -> dict[str, dict]:
         # own sequence through vLLM's Triton kernel, blocks the vote gives back.
         # (A voted request may keep all of max_model_len: the pool must hold one such.)
         "gvote": case({"name": "gvote", "gvote_p": 0.3, "gvote_samples": 4}, (40, 150), [{}, {}], 8, kv_blocks=136),
+        # The prompt scored by its last queries (window 16, kernel 5) from keys read back
+        # from vLLM's cache, per-head writes and moves; a prompt shorter than the window's room.
+        "snapkv": case({"name": "snapkv", "budget": 64, "snapkv_window": 16}, (20, 150), [{}, {"kv_snapkv_kernel": 3}], 8),
         # The packed narrow cache (rate 0.1: heads of unequal ranks) on the HND layout, our
         # Triton reduced-space attention (prefill and decode); the calibration is the fixture's.
         "fdc": case({"name": "fdc", "fdc": None}, (40, 100), [{}, {}], 8, kv_blocks=136),
@@ -69,41 +72,21 @@ def policy_cases(model: str) -> dict[str, dict]:
     }
 
 
-def reference_for(model, policy: dict, override: dict, calibration=None):
+def reference_for(model, policy: dict, override: dict, block_size: int):
+    """The policy's own reference (`vllm_kvprune.reference.<module>.from_config`) at the
+    request's settings, FDC's narrow heads included where the case names a calibration."""
+    import importlib
+
     from vllm_kvprune.config import KVPolicyConfig
 
-    settings = {**policy, **{key.removeprefix("kv_"): value for key, value in override.items()}}
-    name = settings.pop("name")
-    fdc_file = settings.pop("fdc", None)
-    if name == "fdc":
-        from vllm_kvprune.reference.fdc import FdcReference
-
-        return FdcReference(model, calibration)
-    if name == "streaming":
-        from vllm_kvprune.reference.fdc import FdcTransform
-        from vllm_kvprune.reference.streaming import StreamingLLMReference
-
-        # With fdc: the streaming reference given FDC's head transform.
-        transform = FdcTransform(calibration) if fdc_file is not None else None
-        return StreamingLLMReference(model, head_transform=transform, **settings)
-    if name == "gvote":
-        from vllm_kvprune.reference.gvote import GVoteReference
-
-        return GVoteReference(model, p_nuc=settings["gvote_p"], samples=settings["gvote_samples"])
-    if name == "h2o":
-        from vllm_kvprune.reference.h2o import H2OReference
-
-        recent = KVPolicyConfig.from_dict({"name": "h2o", **settings}).recent_size
-        return H2OReference(model, budget=settings["budget"], recent=recent, sinks=settings["sinks"],
-                            prune_interval=settings["prune_interval"])
-    from vllm_kvprune.reference.paged_eviction import PagedEvictionReference
-
-    return PagedEvictionReference(model, block_size=32, **settings)
+    config = KVPolicyConfig.from_dict(policy).for_request(override)
+    return importlib.import_module(f"vllm_kvprune.reference.{config.policy.reference}").from_config(
+        model, config, block_size)
 
 
 @pytest.fixture(scope="module")
 def fdc_calibration(tiny_model, tmp_path_factory):
-    """FDC's calibration of the tiny model (rate 0.1: heads of unequal ranks) and its file."""
+    """The file of FDC's calibration of the tiny model (rate 0.1: heads of unequal ranks)."""
     from vllm_kvprune.fdc import calibration
 
     calibrated = calibration.calibrate(tiny_model, tokens=256, seq_len=128, seed=0, rate=0.1)
@@ -111,7 +94,7 @@ def fdc_calibration(tiny_model, tmp_path_factory):
     assert (calibrated.qk_rank < calibrated.head_dim).any() and (widths != widths.flatten()[0]).any()
     path = tmp_path_factory.mktemp("fdc") / "tiny.safetensors"
     calibrated.save(path)
-    return calibrated, str(path)
+    return str(path)
 
 
 def _with_calibration(cases: dict, path: str) -> dict:
@@ -124,32 +107,31 @@ def _with_calibration(cases: dict, path: str) -> dict:
 @pytest.fixture(scope="module")
 def wrapper_runs(tiny_model, fdc_calibration, tmp_path_factory):
     """Every case's engine, in one subprocess (the interpreter's kernels are built once)."""
-    calibrated, path = fdc_calibration
-    cases = _with_calibration(policy_cases(tiny_model), path)
-    return cases, _run_engines(cases, tmp_path_factory.mktemp("gpu_wrapper"), "TRITON_ATTN"), calibrated
+    cases = _with_calibration(policy_cases(tiny_model), fdc_calibration)
+    return cases, _run_engines(cases, tmp_path_factory.mktemp("gpu_wrapper"), "TRITON_ATTN")
 
 
 # The policies whose cache write and attention go through vLLM's backend, and fdc (its narrow
 # cache is written and attended by our kernels alone, but its narrowed spec meets FA's builder).
-FLASH_CASES = ("streaming", "h2o", "paged_eviction", "gvote", "fdc", "h2o_qwen3")
+# (Qwen3 meets FA's path as Llama does; its Triton case covers the architecture.)
+FLASH_CASES = ("streaming", "h2o", "paged_eviction", "gvote", "fdc", "snapkv")
 
 
 @pytest.fixture(scope="module")
 def flash_runs(tiny_model, fdc_calibration, tmp_path_factory):
     """The FLASH_ATTN wrapper's engines, in one subprocess."""
-    calibrated, path = fdc_calibration
     cases = _with_calibration({name: case for name, case in policy_cases(tiny_model).items()
-                               if name in FLASH_CASES}, path)
+                               if name in FLASH_CASES}, fdc_calibration)
     # h2o's decode runs our fused kernel on either backend (interpreted: 1 s a token here);
     # FA's part is its prompt, so fewer decode tokens (still evicting every step).
-    cases["h2o"]["max_tokens"] = cases["h2o_qwen3"]["max_tokens"] = 12
-    return cases, _run_engines(cases, tmp_path_factory.mktemp("flash_wrapper"), "FLASH_ATTN"), calibrated
+    cases["h2o"]["max_tokens"] = 12
+    return cases, _run_engines(cases, tmp_path_factory.mktemp("flash_wrapper"), "FLASH_ATTN")
 
 
 # Seconds each case's engine takes in the interpreter on a 2-core CI machine (one core each;
 # 2026-11-27), to split the cases evenly over the machine's cores. Only the balance depends on it.
 CASE_SECONDS = {"streaming": 87, "h2o": 42, "paged_eviction": 105, "gvote": 31, "fdc": 6, "streaming_fdc": 9,
-                "h2o_qwen3": 40}
+                "h2o_qwen3": 40, "snapkv": 57}
 
 
 def _split(names: list[str], parts: int) -> list[list[str]]:
@@ -199,10 +181,10 @@ def _own_reference_model(model: str):
     return load_reference_model(model)
 
 
-def _assert_matches_the_reference(reference_model, name: str, case: dict, run: dict, calibrated=None) -> None:
+def _assert_matches_the_reference(reference_model, name: str, case: dict, run: dict) -> None:
     for request, got in zip(case["requests"], run["results"]):
         prompt, override = request["prompt"], request["extra_args"] or {}
-        reference = reference_for(reference_model, case["policy"], override, calibrated)
+        reference = reference_for(reference_model, case["policy"], override, case["block_size"])
         expected = reference.generate(prompt, case["max_tokens"], prompt_logprobs=False)
         if name == "gvote":  # heads of one request kept different lengths: head-pages were exercised
             assert (reference.kept_lengths != reference.kept_lengths[0, 0]).any()
@@ -210,11 +192,25 @@ def _assert_matches_the_reference(reference_model, name: str, case: dict, run: d
         assert np.max(np.abs(np.array(got["logprobs"]) - np.array(expected.logprobs))) < 1e-3
 
 
+TRITON_CASES = ("streaming", "h2o", "paged_eviction", "gvote", "fdc", "streaming_fdc", "h2o_qwen3", "snapkv")
+
+
+def test_every_gpu_policy_has_a_wrapper_case():
+    """A registered policy that says it runs on a GPU (`Policy.gpu`) is run by both wrappers here."""
+    from vllm_kvprune.policies import REGISTRY
+
+    cases = policy_cases("model")
+    gpu_policies = {name for name, policy in REGISTRY.items() if policy.gpu and name != "none"}
+    served = {case["policy"]["name"] for case in cases.values()}
+    assert gpu_policies <= served, f"no GPU wrapper case for {sorted(gpu_policies - served)}"
+    for names in (TRITON_CASES, FLASH_CASES):
+        assert gpu_policies <= {cases[name]["policy"]["name"] for name in names}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["streaming", "h2o", "paged_eviction", "gvote", "fdc", "streaming_fdc",
-                                  "h2o_qwen3"])
+@pytest.mark.parametrize("name", TRITON_CASES)
 def test_policy_on_the_gpu_wrapper_matches_the_reference(wrapper_runs, reference_model, tiny_model, name):
-    cases, runs, calibrated = wrapper_runs
+    cases, runs = wrapper_runs
     case, run = cases[name], runs[name]
     if case["model"] != tiny_model:
         reference_model = _own_reference_model(case["model"])
@@ -223,13 +219,13 @@ def test_policy_on_the_gpu_wrapper_matches_the_reference(wrapper_runs, reference
     assert run["hnd"] == (name in ("gvote", "fdc", "streaming_fdc")), "head-pages, FDC's rows need HND; others NHD"
     # FDC's packed keys in the layout our Triton kernel reads fastest (token-major).
     assert run["fdc_keys_by_token"] == (True if "fdc" in name else None)
-    _assert_matches_the_reference(reference_model, name, case, run, calibrated)
+    _assert_matches_the_reference(reference_model, name, case, run)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", FLASH_CASES)
 def test_policy_on_the_flash_attention_wrapper_matches_the_reference(flash_runs, reference_model, tiny_model, name):
-    cases, runs, calibrated = flash_runs
+    cases, runs = flash_runs
     case, run = cases[name], runs[name]
     if case["model"] != tiny_model:
         reference_model = _own_reference_model(case["model"])
@@ -237,7 +233,7 @@ def test_policy_on_the_flash_attention_wrapper_matches_the_reference(flash_runs,
     assert run["impls"] == ["KVPruneFlashImpl"]
     assert run["hnd"] == (name in ("gvote", "fdc")), "head-pages, FDC's rows need HND; others NHD"
     assert run["fdc_keys_by_token"] == (True if name == "fdc" else None)
-    _assert_matches_the_reference(reference_model, name, case, run, calibrated)
+    _assert_matches_the_reference(reference_model, name, case, run)
 
 
 def test_gpu_start_up_checks(monkeypatch):

@@ -89,7 +89,9 @@ def test_streaming_agrees_with_kvpress_streamingllm(kvpress_venv, real_model):
 
 
 # The policies whose `kvpress` press keeps a prompt's tokens by the same rule (their cases say so).
-KEPT_AS_KVPRESS = [name for name, case in POLICY_CASES.items() if case.get("kvpress_keeps_the_same")]
+# `heavy` where another test already holds the policy to its press (then only with --heavy).
+KEPT_AS_KVPRESS = [pytest.param(name, marks=pytest.mark.heavy) if case["kvpress_keeps_the_same"] == "heavy" else name
+                   for name, case in POLICY_CASES.items() if case.get("kvpress_keeps_the_same")]
 # Two scores closer than this (relative to the layer's largest) are a tie within fp32 rounding
 # of the two stacks (transformers' attention and ours order their sums differently).
 TIE = 1e-5

@@ -37,7 +37,7 @@ SUITE_CASES = {(64, 192, 2)}
     pytest.param(*case, id=f"bs{case[0]}-B{case[1]}-R{case[2]}", marks=() if case in SUITE_CASES else pytest.mark.heavy)
     for case in PARITY_CASES])
 def test_parity_with_reference(tiny_model, reference_model, block_size, budget, interval):
-    num_tokens = 4 * budget
+    num_tokens = 2 * budget  # every request outgrows its budget, most of them by a budget again
     prompt_ids = prompts(PROMPT_LENGTHS)
     with engine(tiny_model, engine_policy(budget, interval), block_size=block_size,
                 kv_blocks=512 * 32 // block_size) as llm:
@@ -127,7 +127,7 @@ class TestSharedEngine:
 def test_parity_real_model(real_model, block_size, budget, interval):
     from vllm_kvprune.reference.model import load_reference_model
 
-    num_tokens = 4 * budget
+    num_tokens = 2 * budget  # the prompt is cut at its end, then every decode step evicts
     prompt_ids = prompts((400,), seed=7)
     with engine(real_model, engine_policy(budget, interval), block_size=block_size,
                 kv_blocks=256 * 32 // block_size) as llm:

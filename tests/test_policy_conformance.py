@@ -31,7 +31,9 @@ from vllm_kvprune.policies import REGISTRY
 
 POLICIES = [name for name in REGISTRY if name != "none"]
 PROMPT_LENGTHS = (20, 150, 300)
-NUM_TOKENS = 200
+NUM_TOKENS = 100
+# The preemption workload's generations: long enough that its eight requests outgrow the pool.
+GROW_TOKENS = 160
 POOL_BLOCKS = 48
 MAX_MODEL_LEN = 1024  # a request the pool always fits, even one that keeps every token
 # Steps of at most this many tokens: prompts are prefilled in chunks (and a policy's `prompt_tail`
@@ -113,7 +115,7 @@ def test_preemption_and_recompute_match_the_reference(policy_run, reference_mode
     name, llm, config, _ = policy_run
     override = CASES[name]["grow"]
     prompt_ids = prompts((100, 12, 150, 8, 120, 15, 140, 60), seed=5)
-    params = [greedy(NUM_TOKENS, **override)] * len(prompt_ids)
+    params = [greedy(GROW_TOKENS, **override)] * len(prompt_ids)
     most = 0
 
     def watch() -> None:
@@ -124,7 +126,7 @@ def test_preemption_and_recompute_match_the_reference(policy_run, reference_mode
     finished = run_steps(llm, prompt_ids, params, on_step=watch)
     assert most > 0, "the workload was meant to outgrow the pool"
     for i, prompt in enumerate(prompt_ids):
-        assert_same_as(reference_for(reference_model, config, override), [finished[str(i)]], [prompt], NUM_TOKENS)
+        assert_same_as(reference_for(reference_model, config, override), [finished[str(i)]], [prompt], GROW_TOKENS)
     assert all_blocks_free(llm)
     ours, vllms = (after - start for after, start in zip(preemption_counts(llm), before))
     assert ours == vllms > 0, "the policy's preemption metric counts what vLLM's does"

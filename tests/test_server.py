@@ -218,7 +218,11 @@ def test_a_request_the_policy_fails_for_fails_alone(server):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("api_servers", [[], ["--api-server-count", "1"]], ids=["api-server-per-engine", "one-api-server"])
+# vLLM's default (an API server per engine) in the suite; one API server reading both engines
+# (our snapshot collector) with --heavy.
+@pytest.mark.parametrize("api_servers", [pytest.param([], id="api-server-per-engine"),
+                                         pytest.param(["--api-server-count", "1"], id="one-api-server",
+                                                      marks=pytest.mark.heavy)])
 def test_data_parallel_engines_each_run_the_policy(tiny_model, tmp_path, monkeypatch, api_servers):
     """`--data-parallel-size 2`: two engine cores (one core each here), each with its own
     scheduler and worker maps, and two API servers (vLLM's default for it; their metrics go

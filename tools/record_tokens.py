@@ -1,7 +1,7 @@
 """Record every policy's greedy tokens on fixed prompts, to show a refactor changes nothing.
 
-    python tools/record_tokens.py --out results/tokens_before.json      # before a change
-    python tools/record_tokens.py --out /tmp/after.json --compare results/tokens_before.json
+    python -m tools.record_tokens --out results/refactor/tokens_before.json     # before a change
+    python -m tools.record_tokens --out /tmp/after.json --compare results/refactor/tokens_before.json
 
 Each case is one engine (fp32, eager, block size 32) on one model: the real model (SmolLM2),
 the tiny Llama, and tiny random models of other architectures (`model_zoo`), under every
@@ -74,8 +74,8 @@ def fdc_files(tiny_model: str, folder: Path) -> str:
 
 
 def cases(folder: Path):
-    from vllm_kvprune import assets
-    from vllm_kvprune.model_zoo import ZOO as ZOO_MODELS, zoo_model_dir
+    from tools import assets
+    from tools.model_zoo import ZOO as ZOO_MODELS, zoo_model_dir
 
     tiny = str(assets.tiny_model_dir())
     fdc = fdc_files(tiny, folder)
