@@ -1,6 +1,9 @@
 """Helper for test_none_parity: greedy tokens and logprobs of the real model as JSON.
 
-    python none_parity_run.py MODEL {absent|none} OUT.json
+    python none_parity_run.py MODEL MODE[,MODE...] OUT.json     # MODE: absent (no kv_policy) or none
+
+Several modes run one after another in this process (one engine at a time), written as
+{mode: {...}}.
 """
 
 import json
@@ -16,10 +19,10 @@ PROMPTS = [
     "def fibonacci(n):\n",
 ]
 
-if __name__ == "__main__":
+
+def generate(model: str, mode: str) -> dict:
     from vllm import LLM, SamplingParams
 
-    model, mode, out = sys.argv[1:4]
     extra = {"additional_config": {"kv_policy": {"name": "none"}}} if mode == "none" else {}
     # float32: bf16 is emulated, and several times slower, on CPUs without AVX-512 (CI's);
     # the identity with stock vLLM does not depend on the dtype.
@@ -35,6 +38,14 @@ if __name__ == "__main__":
             "prompt_logprobs": [None if step is None else {str(k): v.logprob for k, v in step.items()}
                                 for step in output.prompt_logprobs],
         })
-    loaded = [name for name in sys.modules if name.startswith("vllm_kvprune.worker")]
+    llm.llm_engine.engine_core.shutdown()
+    # Read after the first mode, it says whether the plugin's worker came in with no policy asked.
+    loaded = bool([name for name in sys.modules if name.startswith("vllm_kvprune.worker")])
+    return {"results": results, "plugin_worker_loaded": loaded}
+
+
+if __name__ == "__main__":
+    model, modes, out = sys.argv[1:4]
+    found = {mode: generate(model, mode) for mode in modes.split(",")}
     with open(out, "w") as handle:
-        json.dump({"results": results, "plugin_worker_loaded": bool(loaded)}, handle)
+        json.dump(found, handle)

@@ -187,6 +187,7 @@ def test_tokenizer_splits_digits_and_knows_chat_tokens() -> None:
 # Tiny model
 
 
+@pytest.mark.tooling  # builds the tiny model twice (tools/assets.py): seconds each
 def test_tiny_model_is_deterministic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     hashes = []
     for home in ("first", "second"):
@@ -198,6 +199,7 @@ def test_tiny_model_is_deterministic(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= set(hashes[0])
 
 
+@pytest.mark.tooling  # builds a second tiny model (tools/assets.py)
 def test_tiny_model_seed_changes_weights(tmp_home: Path) -> None:
     default = assets.tiny_model_dir()
     other = assets.tiny_model_dir(assets.TinyModelSpec(seed=1))

@@ -136,7 +136,7 @@ class TestSharedEngine:
 def test_parity_real_model(real_model, budget, interval):
     from vllm_kvprune.reference.model import load_reference_model
 
-    num_tokens = 2 * budget  # the prompt is cut at its end, then every decode step evicts
+    num_tokens = budget  # the prompt is cut at its end, then every decode step evicts
     prompt_ids = prompts((400,), seed=7)
     with engine(real_model, engine_policy(budget, interval), kv_blocks=256) as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], greedy(num_tokens), use_tqdm=False)

@@ -127,7 +127,7 @@ class TestSharedEngine:
 def test_parity_real_model(real_model, block_size, budget, interval):
     from vllm_kvprune.reference.model import load_reference_model
 
-    num_tokens = 2 * budget  # the prompt is cut at its end, then every decode step evicts
+    num_tokens = budget  # the prompt is cut at its end, then a block is evicted each time the blocks fill
     prompt_ids = prompts((400,), seed=7)
     with engine(real_model, engine_policy(budget, interval), block_size=block_size,
                 kv_blocks=256 * 32 // block_size) as llm:

@@ -19,11 +19,17 @@ FAULTY_ID = "kvprune-injected-fault"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model, tmp_path_factory):
+def server_log(tmp_path_factory) -> Path:
+    """The module's server's output (stdout and stderr)."""
+    return tmp_path_factory.mktemp("server") / "server.log"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory, server_log):
     pool_bytes = 256 * page_bytes(tiny_model, {"dtype": "float32", "block_size": 32})
     with served(tiny_model, "--dtype", "float32", "--enforce-eager", "--block-size", "32", "--max-model-len", "4096",
                 "--kv-cache-memory-bytes", str(pool_bytes), "--kv-policy", "streaming", "--kv-budget", "64",
-                "--kv-sinks", "4", log_dir=tmp_path_factory.mktemp("server"), timeout=240,
+                "--kv-sinks", "4", log_dir=server_log.parent, timeout=240,
                 # Fault containment: the policy fails for requests sent with this id (and no other).
                 env={"KVPRUNE_FAULT": f"plan:{FAULTY_ID}",
                      # Started from a process whose metrics folder holds another live engine's numbers.
@@ -49,6 +55,19 @@ def _complete(base: str, model: str, xargs: dict | None, endpoint: str = "comple
     if xargs is not None:
         body["vllm_xargs"] = xargs
     return requests.post(f"{base}/v1/{endpoint}", json=body, timeout=120)
+
+
+def test_start_up_logs_no_unknown_environment_variable(server, server_log):
+    """Our variables are `KVPRUNE_*`: vLLM warns about every unknown `VLLM_*` one it finds in a
+    server's environment, and the server exports its metrics folder to its engine processes.
+    (vLLM's CPU worker leaves its own VLLM_DIST_IDENT in this test process's environment, which
+    a server started from here inherits and vLLM then warns about: not ours.)"""
+    base, _ = server
+    assert requests.get(f"{base}/health", timeout=30).status_code == 200  # started: its start-up is logged
+    log = server_log.read_text()
+    assert "Application startup complete" in log
+    ours = [line for line in log.splitlines() if "Unknown vLLM environment variable" in line and "KVPRUNE" in line]
+    assert not ours, ours
 
 
 @pytest.mark.parametrize("xargs, field", [
