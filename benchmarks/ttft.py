@@ -57,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
     if args.child is not None:
         common.print_child_result(measure(args, args.child))
         return 0
+    if not args.out.suffix:  # `--out results/ttft_x` writes results/ttft_x.json (and .png)
+        args.out = args.out.with_suffix(".json")
     started = time.time()
     rows: list[dict[str, Any]] = []
     for policy in args.policies:
