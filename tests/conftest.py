@@ -93,6 +93,15 @@ def reference_model(tiny_model):
 POLICY_CASES = yaml.safe_load((Path(__file__).with_name("policy_cases.yaml")).read_text())
 
 
+def policy_reference(model, config, block_size: int = BLOCK_SIZE):
+    """The policy's own reference (`vllm_kvprune.reference.<module>.from_config`) on `model`
+    (a reference model) at `config`'s settings."""
+    import importlib
+
+    return importlib.import_module(f"vllm_kvprune.reference.{config.policy.reference}").from_config(
+        model, config, block_size)
+
+
 def policy_settings(name: str, settings: dict, files: dict[str, str]) -> dict:
     """A case's settings as an engine takes them, `$...` placeholders resolved from `files`."""
     return {"name": name, **{key: files.get(value, value) if isinstance(value, str) else value

@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from conftest import policy_reference
 from test_model_matrix import model_dir
 from test_streaming_engine import prompts
 
@@ -73,15 +74,11 @@ def policy_cases(model: str) -> dict[str, dict]:
 
 
 def reference_for(model, policy: dict, override: dict, block_size: int):
-    """The policy's own reference (`vllm_kvprune.reference.<module>.from_config`) at the
-    request's settings, FDC's narrow heads included where the case names a calibration."""
-    import importlib
-
+    """The policy's own reference at the request's settings, FDC's narrow heads included where
+    the case names a calibration."""
     from vllm_kvprune.config import KVPolicyConfig
 
-    config = KVPolicyConfig.from_dict(policy).for_request(override)
-    return importlib.import_module(f"vllm_kvprune.reference.{config.policy.reference}").from_config(
-        model, config, block_size)
+    return policy_reference(model, KVPolicyConfig.from_dict(policy).for_request(override), block_size)
 
 
 @pytest.fixture(scope="module")

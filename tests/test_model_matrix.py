@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import POLICY_CASES, engine, scheduler_of
+from conftest import POLICY_CASES, engine, policy_reference, scheduler_of
 from test_streaming_engine import all_blocks_free, assert_same_as, greedy, prompts
 
 from vllm_kvprune.policies import REGISTRY
@@ -75,15 +75,11 @@ def none_outputs(architecture: str) -> list:
 
 
 def reference_for(architecture: str, policy: dict):
-    """The policy's own reference (`vllm_kvprune.reference.<module>.from_config`) on the model."""
-    import importlib
-
+    """The policy's own reference on the architecture's model."""
     from vllm_kvprune.config import KVPolicyConfig
     from vllm_kvprune.reference.model import load_reference_model
 
-    config = KVPolicyConfig.from_dict(policy)
-    module = importlib.import_module(f"vllm_kvprune.reference.{config.policy.reference}")
-    return module.from_config(load_reference_model(model_dir(architecture)), config, 32)
+    return policy_reference(load_reference_model(model_dir(architecture)), KVPolicyConfig.from_dict(policy), 32)
 
 
 def assert_same_tokens(outputs, expected) -> None:

@@ -24,7 +24,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import BLOCK_SIZE, POLICY_CASES as CASES, engine, policy_settings as settings_of, runner_of, scheduler_of
+from conftest import (BLOCK_SIZE, POLICY_CASES as CASES, engine, policy_reference, policy_settings as settings_of,
+                      runner_of, scheduler_of)
 from test_streaming_engine import all_blocks_free, assert_same_as, greedy, prompts, run_steps
 
 from vllm_kvprune.policies import REGISTRY
@@ -46,11 +47,7 @@ def test_every_registered_policy_has_cases():
 
 
 def reference_for(model, config, override: dict | None):
-    import importlib
-
-    config = config.for_request(override)
-    return importlib.import_module(f"vllm_kvprune.reference.{config.policy.reference}").from_config(
-        model, config, BLOCK_SIZE)
+    return policy_reference(model, config.for_request(override), BLOCK_SIZE)
 
 
 @pytest.fixture(scope="module")
