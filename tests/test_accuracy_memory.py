@@ -99,6 +99,18 @@ def test_budget_free_policies_run_settings_and_skip_teacher_forced_tasks():
                                                                         "kv_recent": 0})]
 
 
+def test_an_ablation_runs_its_policys_press_at_its_own_settings_under_a_label_of_its_own():
+    from benchmarks.accuracy import kvpress_side
+
+    specs = kvpress_side.press_specs(["snapkv", "snapkv_pool15", "paged_eviction_paper", "gvote"], sinks=4)
+    assert specs["snapkv"] == {"name": "SnapKVPress", "window_size": 64, "kernel_size": 5}
+    # The same press, its kernel the ablation's, and a label its records carry beside the policy's.
+    assert specs["snapkv_pool15"] == {"name": "SnapKVPress", "window_size": 64, "kernel_size": 15,
+                                      "label": "SnapKVPress(kernel_size=15)"}
+    # An ablation without a press of its settings, and a policy without a press, run none.
+    assert "paged_eviction_paper" not in specs and "gvote" not in specs
+
+
 def test_needle_heat_map_gives_the_full_cache_and_gvote_panels_of_their_own():
     from benchmarks.accuracy import report
 

@@ -30,6 +30,7 @@ from benchmarks.accuracy.kv_retrieval import KVRetrieval
 from benchmarks.accuracy.needle import Needle
 from benchmarks.accuracy.perplexity import Perplexity
 from benchmarks.accuracy.task import Case, Task
+from benchmarks.accuracy.variants import VARIANTS
 
 NAME = "accuracy"
 TASK_TYPES: dict[str, type[Task]] = {"perplexity": Perplexity, "needle": Needle, "kv_retrieval": KVRetrieval,
@@ -37,7 +38,7 @@ TASK_TYPES: dict[str, type[Task]] = {"perplexity": Perplexity, "needle": Needle,
 TASK_NAMES = tuple(TASK_TYPES)
 # Every registered policy but `none` (the ceiling, always run) and FDC (`benchmarks fdc-accuracy`).
 POLICIES = common.policies(none=False, fdc=False)
-CHOICES = (*POLICIES, "paged_eviction_paper")  # an ablation (ours.VARIANTS), on request
+CHOICES = (*POLICIES, *VARIANTS)  # ablations, on request
 # Settings that decide which cases a task builds and how kvpress ran them: an earlier run's
 # kvpress records are reused only where all of these match.
 KVPRESS_REUSE_KEYS = ("tiny", "seed", "sinks", "dtype", "ppl_segments", "ppl_tokens", "needle_contexts", "needle_depths",
@@ -62,8 +63,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", nargs="+", default=list(TASK_NAMES), choices=TASK_NAMES)
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=CHOICES,
-                        help="paged_eviction_paper: paged_eviction by the paper's own rule (kv_sinks 0, kv_recent 0: "
-                             "no protected sinks or newest block), an ablation")
+                        help="also ablations: paged_eviction_paper (paged_eviction by the paper's own rule, kv_sinks 0, "
+                             "kv_recent 0: no protected sinks or newest block); snapkv_pool15 (snapkv with "
+                             "kv_snapkv_kernel 15, beside kvpress's SnapKVPress(kernel_size=15))")
     parser.add_argument("--budgets", type=int, nargs="+", default=[128, 256, 512, 1024])
     parser.add_argument("--sinks", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
@@ -135,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
         records += found
         timings += timed
     specs = kvpress_side.press_specs(args.policies, args.sinks)
-    pairs = {policy: spec["name"] for policy, spec in specs.items()}
+    pairs = {policy: spec.get("label", spec["name"]) for policy, spec in specs.items()}
     if reused is not None:
         wanted = {"none", *pairs.values()}
         records += [r for r in reused[0] if r["method"] in wanted]

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 from benchmarks.accuracy.report import KVPRESS
 from benchmarks.accuracy.task import Answer, Case, Task
+from benchmarks.accuracy.variants import VARIANTS
 from benchmarks.kvpress_runner import run_kvpress
 
 
@@ -38,20 +39,31 @@ def matched_runs(cases: Sequence[Case], budgets: Sequence[int] | None) -> list[t
 
 def press_specs(policies: Sequence[str], sinks: int) -> dict[str, dict[str, Any]]:
     """Our policy -> the kvpress press that keeps tokens by the same (or the nearest) rule, with
-    its settings matching ours at `sinks` (each policy's `kvpress` trait and `kvpress_settings`)."""
+    its settings matching ours at `sinks` (each policy's `kvpress` trait and `kvpress_settings`).
+    An ablation of ours that runs kvpress beside it (`ours.VARIANTS`) gets its policy's press at
+    its settings, labelled with them (`label`: the method its records carry)."""
     from vllm_kvprune.config import KVPolicyConfig
     from vllm_kvprune.policies import REGISTRY
 
     specs = {}
     for name in policies:
-        policy = REGISTRY.get(name)
+        variant = VARIANTS.get(name)
+        if variant is not None and not variant.kvpress:
+            continue
+        policy = REGISTRY.get(variant.policy if variant else name)
         if policy is None or policy.kvpress is None:
-            continue  # an ablation's name, or a policy kvpress has nothing for
-        settings = {"name": name, "budget": 1024} if policy.budgeted else {"name": name}
+            continue  # a policy kvpress has nothing for
+        settings = {"name": policy.name, "budget": 1024} if policy.budgeted else {"name": policy.name}
         if policy.reads("sinks"):
             settings["sinks"] = sinks
-        config = KVPolicyConfig.from_dict(settings)
-        specs[name] = {"name": policy.kvpress, **policy.kvpress_settings(config)}
+        press = {"name": policy.kvpress, **policy.kvpress_settings(KVPolicyConfig.from_dict(settings))}
+        if variant is not None:
+            own = {key.removeprefix("kv_"): value for key, value in variant.settings.items()}
+            default, press = press, {"name": policy.kvpress,
+                                     **policy.kvpress_settings(KVPolicyConfig.from_dict({**settings, **own}))}
+            changed = ", ".join(f"{key}={value}" for key, value in press.items() if default.get(key) != value)
+            press["label"] = f"{policy.kvpress}({changed})"
+        specs[name] = press
     return specs
 
 
@@ -61,13 +73,14 @@ def run_press(model: str, spec: dict[str, Any], work: Sequence[tuple[Task, list[
     """Records and timings of one press (`spec`: its name and settings; `none`: full cache) on
     the tasks kvpress can run. `full_cache` maps (task, case id) to kvpress's full-cache answer;
     `none` fills it."""
-    press = spec["name"]
+    press = spec.get("label", spec["name"])
+    constructor = {key: value for key, value in spec.items() if key != "label"}
     records, timings = [], []
     for task, cases in work:
         runs = matched_runs(cases, None if press == "none" else task.budgets)
         job = {"model": model, "prompts": [case.prompt_ids for case, _ in runs], "max_new_tokens": max(
             (case.max_tokens for case, _ in runs), default=1), "dtype": dtype, "threads": threads,
-            "stop_at_eos": True, "press": dict(spec),
+            "stop_at_eos": True, "press": constructor,
             "compression_ratios": [None if b is None else compression_ratio(len(c.prompt_ids), b - 1) for c, b in runs]}
         print(f"[{KVPRESS} {press}] {task.name}: {len(runs)} runs", flush=True)
         started = time.perf_counter()

@@ -20,14 +20,10 @@ from benchmarks.accuracy.forced import FORCED_KEY, ForcedTokens
 from benchmarks.accuracy.kvpress_side import matched_runs
 from benchmarks.accuracy.report import BUDGET_FREE, OURS, default_setting
 from benchmarks.accuracy.task import Answer, Case, Task
+from benchmarks.accuracy.variants import VARIANTS
 
 # Policies that keep every token (fdc narrows them instead): one run per case, no budget.
 WHOLE_CACHE = tuple(name for name in common.policies(budgeted=False) if name not in common.budget_free())
-# Ablations: a policy of ours at other per-request settings, run and reported under a name of
-# its own. `paged_eviction_paper`: the paper's own rule (no protected sinks, no protected newest
-# block: every block a candidate), next to ours.
-VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {"paged_eviction_paper": ("paged_eviction",
-                                                                             {"kv_sinks": 0, "kv_recent": 0})}
 ENGINE_OPTIONS: dict[str, Any] = dict(dtype="bfloat16", block_size=32, max_model_len=8192, max_num_seqs=32,
                                       enable_prefix_caching=False, seed=0)
 
@@ -60,7 +56,7 @@ def policy_runs(policy: str, task: Task, cases: Sequence[Case], gvote: Sequence[
     if policy in BUDGET_FREE:
         return [] if any(c.forced_ids is not None for c in cases) else [
             Run(case, None, dict(setting)) for setting in gvote for case in cases]
-    variant = VARIANTS[policy][1] if policy in VARIANTS else {}
+    variant = VARIANTS[policy].settings if policy in VARIANTS else {}
     return [Run(case, budget, {"kv_budget": budget, **variant}) for budget in task.budgets for case in cases]
 
 
@@ -70,7 +66,7 @@ def build_engine(model: str, policy: str, budget: int | None, sinks: int, pool_g
     `policy_config`: the whole `kv_policy` config, instead of one made from the arguments."""
     from vllm import LLM
 
-    policy = VARIANTS[policy][0] if policy in VARIANTS else policy
+    policy = VARIANTS[policy].policy if policy in VARIANTS else policy
     options = dict(ENGINE_OPTIONS, model=model, kv_cache_memory_bytes=int(pool_gib * 2**30),
                    logits_processors=[ForcedTokens], **overrides)
     if policy_config is not None:
@@ -177,10 +173,11 @@ def run_policy(model: str, policy: str, work: Sequence[tuple[Task, list[Case]]],
                 record.update({key.removeprefix("kv_"): value for key, value in run.settings.items()
                                if key != "kv_budget"})
                 records.append(record)
-        if policy in BUDGET_FREE or policy in VARIANTS:
+        if policy in BUDGET_FREE or (policy in VARIANTS and not VARIANTS[policy].kvpress):
             kvpress_work = ()  # no press keeps tokens by a vote, or by an ablation of ours
+        variant = VARIANTS[policy].settings if policy in VARIANTS else {}
         for task, cases in kvpress_work:
-            runs = [Run(case, budget, {} if budget is None else {"kv_budget": budget})
+            runs = [Run(case, budget, {} if budget is None else {"kv_budget": budget, **variant})
                     for case, budget in matched_runs(cases, None if policy == "none" else task.budgets)]
             print(f"[{OURS} {policy}] {task.name}: timing kvpress's {len(runs)} runs", flush=True)
             started = time.perf_counter()
