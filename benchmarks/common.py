@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -97,6 +98,26 @@ def run_child(command: Sequence[str], env: dict[str, str], what: str) -> Any:
     if done.returncode != 0 or not results:
         raise RuntimeError(f"{what} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     return json.loads(results[-1])
+
+
+def child_rounds(command: str, names: Sequence[str], flags: Sequence[str], repeats: int,
+                 switches: Callable[[str], dict[str, str]] | None = None) -> dict[str, list[Any]]:
+    """Each name's child run (`python -m benchmarks COMMAND --child NAME FLAGS`, in-process
+    engines: ENGINE_ENV, plus `switches(name)` in its environment) `repeats` times, the names
+    taking turns in every round so that load that comes and goes hits them alike; their
+    results by name, in round order. A failed child stops the bench, naming it."""
+    env = child_env({**os.environ, **ENGINE_ENV})
+    found: dict[str, list[Any]] = {name: [] for name in names}
+    for round_index in range(repeats):
+        for name in names:
+            print(f"[{command}] round {round_index + 1}/{repeats}: {name} ...", flush=True)
+            extra = switches(name) if switches is not None else {}
+            try:
+                found[name].append(run_child([sys.executable, "-m", "benchmarks", command, "--child", name, *flags],
+                                             {**env, **extra}, f"{command} {name}"))
+            except RuntimeError as error:
+                raise SystemExit(f"{command}: {error}") from None
+    return found
 
 
 def engine_scheduler(llm: Any) -> Any:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 import time
 from pathlib import Path
@@ -48,16 +47,7 @@ def run(args: argparse.Namespace) -> int:
         common.print_child_result(measure(args, args.child))
         return 0
     started = time.time()
-    env = common.child_env({**os.environ, **common.ENGINE_ENV})
-    rounds: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
-    for round_index in range(args.repeats):
-        for mode in MODES:
-            print(f"[layer-groups] round {round_index + 1}/{args.repeats}: {mode} ...", flush=True)
-            command = [sys.executable, "-m", "benchmarks", "layer-groups", "--child", mode, *child_flags(args)]
-            try:
-                rounds[mode].append(common.run_child(command, env, f"layer-groups {mode}"))
-            except RuntimeError as error:
-                raise SystemExit(f"layer-groups: {error}") from None
+    rounds = common.child_rounds("layer-groups", MODES, child_flags(args), args.repeats)
     tokens = {mode: found[0].pop("token_ids") for mode, found in rounds.items()}
     for found in rounds.values():
         for entry in found[1:]:

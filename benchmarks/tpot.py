@@ -16,8 +16,6 @@ default: see `--dtype`); the policies take turns `--repeats` times and the media
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -58,17 +56,8 @@ def run(args: argparse.Namespace) -> int:
         common.print_child_result(measure(args, args.child))
         return 0
     started = time.time()
-    env = common.child_env({**os.environ, **common.ENGINE_ENV})
-    rounds: dict[str, list[dict[str, Any]]] = {policy: [] for policy in args.policies}
-    for round_index in range(args.repeats):
-        for policy in args.policies:
-            print(f"[tpot] round {round_index + 1}/{args.repeats}: {policy} ...", flush=True)
-            command = [sys.executable, "-m", "benchmarks", "tpot", "--child", policy, *child_flags(args)]
-            switches = BASELINES[policy][1] if policy in BASELINES else {}
-            try:
-                rounds[policy].append(common.run_child(command, {**env, **switches}, f"tpot {policy}"))
-            except RuntimeError as error:
-                raise SystemExit(f"tpot: {error}") from None
+    rounds = common.child_rounds("tpot", args.policies, child_flags(args), args.repeats,
+                                 lambda policy: BASELINES[policy][1] if policy in BASELINES else {})
     rows = [median_round(policy, found) for policy, found in rounds.items()]
     add_ratios(rows)
     common.print_table(*table(rows))
