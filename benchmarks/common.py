@@ -120,6 +120,13 @@ def child_rounds(command: str, names: Sequence[str], flags: Sequence[str], repea
     return found
 
 
+def median_round(found: Sequence[dict[str, Any]], key: str) -> tuple[dict[str, Any], list[float]]:
+    """Of a measurement's rounds, the one whose `key` is the median (the lower middle of an even
+    count), and every round's `key` in round order."""
+    middle = sorted(found, key=lambda entry: entry[key])[(len(found) - 1) // 2]
+    return middle, [entry[key] for entry in found]
+
+
 def engine_scheduler(llm: Any) -> Any:
     """The scheduler of an in-process engine (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, ENGINE_ENV)."""
     return llm.llm_engine.engine_core.engine_core.scheduler

@@ -48,15 +48,16 @@ def run(args: argparse.Namespace) -> int:
         return 0
     started = time.time()
     rounds = common.child_rounds("layer-groups", MODES, child_flags(args), args.repeats)
-    tokens = {mode: found[0].pop("token_ids") for mode, found in rounds.items()}
-    for found in rounds.values():
-        for entry in found[1:]:
-            entry.pop("token_ids")
-    rows = [median_round(mode, found) for mode, found in rounds.items()]
+    # Every round's greedy tokens, against the single table's first round's.
+    tokens = {mode: [entry.pop("token_ids") for entry in found] for mode, found in rounds.items()}
+    rows = []
+    for mode, found in rounds.items():  # the round with the median decode step, every round's kept
+        middle, rounds_ms = common.median_round(found, "median_step_ms")
+        rows.append({"mode": mode, **middle, "rounds_ms": rounds_ms})
     single = rows[0]
     for row in rows:
         row["step_vs_single"] = row["median_step_ms"] / single["median_step_ms"]
-        row["tokens_equal_single"] = tokens[row["mode"]] == tokens["single"]
+        row["tokens_equal_single"] = all(found == tokens["single"][0] for found in tokens[row["mode"]])
     common.print_table(*table(rows))
     settings = {key: getattr(args, key) for key in ("batch", "prompt_tokens", "tokens", "repeats", "pool_gib", "dtype",
                                                     "enforce_eager")}
@@ -75,12 +76,6 @@ def child_flags(args: argparse.Namespace) -> list[str]:
     flags = ["--batch", str(args.batch), "--prompt-tokens", str(args.prompt_tokens), "--tokens", str(args.tokens),
              "--pool-gib", str(args.pool_gib), "--dtype", args.dtype]
     return flags + ["--tiny"] * args.tiny + ["--enforce-eager"] * args.enforce_eager
-
-
-def median_round(mode: str, found: list[dict[str, Any]]) -> dict[str, Any]:
-    """The round with the median decode step, every round's kept."""
-    middle = sorted(found, key=lambda entry: entry["median_step_ms"])[(len(found) - 1) // 2]
-    return {"mode": mode, **middle, "rounds_ms": [entry["median_step_ms"] for entry in found]}
 
 
 def table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:

@@ -287,9 +287,8 @@ def tpot_rows(llm: Any, tokens: list[int], intervals: list[int], batches: list[i
     for r in intervals:
         tpot = {}
         for batch in batches:
-            repeats = runs[(r, batch)]
-            middle = sorted(repeats, key=lambda run: run["ms"])[(len(repeats) - 1) // 2]
-            tpot[str(batch)] = {**middle, "repeats_ms": [run["ms"] for run in repeats]}
+            middle, repeats_ms = common.median_round(runs[(r, batch)], "ms")
+            tpot[str(batch)] = {**middle, "repeats_ms": repeats_ms}
         rows.append({"method": "streaming", "R": r, "positions": "cache", "tpot": tpot})
     return rows
 

@@ -58,7 +58,10 @@ def run(args: argparse.Namespace) -> int:
     started = time.time()
     rounds = common.child_rounds("tpot", args.policies, child_flags(args), args.repeats,
                                  lambda policy: BASELINES[policy][1] if policy in BASELINES else {})
-    rows = [median_round(policy, found) for policy, found in rounds.items()]
+    rows = []
+    for policy, found in rounds.items():  # the round with the median mean step, every round's mean kept
+        middle, rounds_ms = common.median_round(found, "ms")
+        rows.append({"policy": policy, **middle, "rounds_ms": rounds_ms})
     add_ratios(rows)
     common.print_table(*table(rows))
     settings = {key: getattr(args, key) for key in ("policies", "budget", "sinks", "prompt_tokens", "batch", "tokens",
@@ -75,12 +78,6 @@ def child_flags(args: argparse.Namespace) -> list[str]:
     flags = ["--budget", str(args.budget), "--sinks", str(args.sinks), "--prompt-tokens", str(args.prompt_tokens),
              "--batch", str(args.batch), "--tokens", str(args.tokens), "--dtype", args.dtype, "--pool-gib", str(args.pool_gib)]
     return flags + ["--tiny"] * args.tiny
-
-
-def median_round(policy: str, found: list[dict[str, Any]]) -> dict[str, Any]:
-    """The round with the median mean step, every round's mean kept."""
-    middle = sorted(found, key=lambda entry: entry["ms"])[(len(found) - 1) // 2]
-    return {"policy": policy, **middle, "rounds_ms": [entry["ms"] for entry in found]}
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
