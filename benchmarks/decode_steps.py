@@ -10,18 +10,20 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from benchmarks import common
 
 
 def time_decode_steps(llm: Any, prompts: Sequence[Sequence[int]], steps: int,
-                      extra_args: dict[str, Any] | None = None, name: str = "timed") -> dict[str, Any]:
+                      extra_args: dict[str, Any] | None = None, name: str = "timed",
+                      before_abort: Callable[[list[str]], None] | None = None) -> dict[str, Any]:
     """`prompts` decoding together for `steps` timed steps, then aborted. Returns the mean wall
     time of the timed steps after the first (`ms`: prune steps included, which is what lazy
     pruning amortizes), their median, and where a policy is on (the worker's `kv_state`) its
     move and planning time per step and the prune events of the first request (steps after
-    which it holds fewer tokens than before plus the new one)."""
+    which it holds fewer tokens than before plus the new one). `before_abort(request ids)` is
+    called after the timed steps, while the requests still hold their blocks."""
     from vllm import SamplingParams
 
     engine, scheduler = llm.llm_engine, common.engine_scheduler(llm)
@@ -63,6 +65,8 @@ def time_decode_steps(llm: Any, prompts: Sequence[Sequence[int]], steps: int,
                 moved += kv_state.move_seconds - moves
                 planned += kv_state.plan_seconds - plans
                 events += first_held() < held + 1
+    if before_abort is not None:
+        before_abort(ids)
     engine.abort_request(ids, internal=True)  # add_request returned the internal ids
     while engine.has_unfinished_requests():  # let the aborts reach the worker
         engine.step()

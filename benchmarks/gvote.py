@@ -85,6 +85,8 @@ def _memory_and_prefill(model: str, prompts: dict[int, list[list[int]]], longest
                         dtype: str) -> list[dict[str, Any]]:
     """One request at a time: its prompt step's time and the vote's share of it, then what it
     keeps and holds once voted."""
+    from vllm_kvprune.engine.scheduler import held_model_blocks
+
     llm = _engine(model, {"name": "gvote"}, longest, dtype)
     engine, scheduler = llm.llm_engine, common.engine_scheduler(llm)
     kv_state = common.model_runner(llm).kv_state
@@ -100,18 +102,18 @@ def _memory_and_prefill(model: str, prompts: dict[int, list[list[int]]], longest
             vote_seconds = kv_state.score_seconds - vote_before
             [(internal, state)] = [(rid, st) for rid, st in kv_state.requests.items() if rid.startswith(request_id)]
             lengths = state.map.lengths
-            held = scheduler.held_blocks(internal)
+            held = held_model_blocks(scheduler, internal)  # a group per layer: layer pages / layers
             rows.append({
                 "prompt_tokens": length, "prompt": index,
                 "mean_kept": float(lengths.mean()), "min_kept": int(lengths.min()), "max_kept": int(lengths.max()),
                 "kept_fraction": float(lengths.mean() / length),
-                "blocks_held": held, "blocks_needed": state.map.blocks_needed(0),
+                "blocks_held": held, "blocks_needed": state.map.mean_layer_blocks(),
                 "blocks_max_over_heads": -(-int(lengths.max()) // BLOCK_SIZE),
                 "blocks_none": -(-length // BLOCK_SIZE),
                 "prompt_step_s": prompt_seconds, "vote_s": vote_seconds,
                 "vote_share": vote_seconds / prompt_seconds,
             })
-            print(f"[gvote] {length} tokens #{index}: kept {rows[-1]['kept_fraction']:.0%}, blocks {held} "
+            print(f"[gvote] {length} tokens #{index}: kept {rows[-1]['kept_fraction']:.0%}, blocks {held:.1f} "
                   f"(max-over-heads {rows[-1]['blocks_max_over_heads']}, none {rows[-1]['blocks_none']}), "
                   f"vote {vote_seconds * 1000:.0f} ms of {prompt_seconds:.2f} s", flush=True)
             while engine.has_unfinished_requests():

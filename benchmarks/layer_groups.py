@@ -1,5 +1,5 @@
 """`python -m benchmarks layer-groups`: what one KV-cache group per layer costs on stock vLLM,
-against the one group that serves every layer today (issue 42's per-layer allocation).
+against the one group that serves every layer (issue 42's per-layer allocation).
 
 A request holds one block table for all layers today, so its memory is its largest layer's
 need. vLLM's hybrid-model machinery can give every layer its own group instead: a spec per
@@ -11,6 +11,11 @@ alone, with nothing pruned (vLLM's own full-attention manager in both modes): th
 tokens of the two modes (they must be equal), the decode step at `--batch` requests (median of
 the timed steps, the modes taking turns `--repeats` times in child processes), the
 scheduler's time per step (admission and allocation over the groups), and start-up time.
+
+Two more modes measure the same with our planners: `gvote` as it runs (a group per layer,
+`gvote_per_layer`) against `gvote` kept to one table for every layer (`KVPRUNE_ONE_TABLE=1`,
+`gvote_one_table`), the same votes and tokens, and what each holds (blocks of the whole
+model per request after the timed steps, read from vLLM's pool).
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ from typing import Any
 
 from benchmarks import common
 
-MODES = ("single", "per_layer")
+# mode -> (policy, the mode whose step and tokens it is compared with)
+MODES = {"single": (None, "single"), "per_layer": (None, "single"),
+         "gvote_one_table": ("gvote", "gvote_one_table"), "gvote_per_layer": ("gvote", "gvote_one_table")}
 BLOCK_SIZE = 32
 
 
@@ -38,8 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--dtype", default="float32", choices=("bfloat16", "float32"))
     add("--enforce-eager", action="store_true", help="skip vLLM's compilation (compiled by default)")
     add("--tiny", action="store_true", help="the tiny random model (a smoke run)")
+    add("--modes", nargs="+", default=list(MODES), choices=list(MODES),
+        help="single / per_layer: nothing pruned, vLLM's manager; gvote_one_table / gvote_per_layer: gvote "
+             "with one table for every layer, and as it runs (a group per layer)")
     add("--out", type=Path, default=Path("results/layer_groups.json"))
-    add("--child", default=None, choices=MODES, help=argparse.SUPPRESS)
+    add("--child", default=None, choices=list(MODES), help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,17 +57,22 @@ def run(args: argparse.Namespace) -> int:
         common.print_child_result(measure(args, args.child))
         return 0
     started = time.time()
-    rounds = common.child_rounds("layer-groups", MODES, child_flags(args), args.repeats)
-    # Every round's greedy tokens, against the single table's first round's.
+    needed = set(args.modes) | {MODES[mode][1] for mode in args.modes}  # with their baselines
+    modes = [mode for mode in MODES if mode in needed]
+    rounds = common.child_rounds("layer-groups", modes, child_flags(args), args.repeats,
+                                 switches=lambda mode: {"KVPRUNE_ONE_TABLE": "1"} if mode == "gvote_one_table" else {})
+    # Every round's greedy tokens, against the baseline's first round's.
     tokens = {mode: [entry.pop("token_ids") for entry in found] for mode, found in rounds.items()}
     rows = []
     for mode, found in rounds.items():  # the round with the median decode step, every round's kept
         middle, rounds_ms = common.median_round(found, "median_step_ms")
-        rows.append({"mode": mode, **middle, "rounds_ms": rounds_ms})
-    single = rows[0]
+        rows.append({"mode": mode, "policy": MODES[mode][0] or "none", "baseline": MODES[mode][1], **middle,
+                     "rounds_ms": rounds_ms})
+    by_mode = {row["mode"]: row for row in rows}
     for row in rows:
-        row["step_vs_single"] = row["median_step_ms"] / single["median_step_ms"]
-        row["tokens_equal_single"] = all(found == tokens["single"][0] for found in tokens[row["mode"]])
+        baseline = row["baseline"]
+        row["step_vs_baseline"] = row["median_step_ms"] / by_mode[baseline]["median_step_ms"]
+        row["tokens_equal_baseline"] = all(found == tokens[baseline][0] for found in tokens[row["mode"]])
     common.print_table(*table(rows))
     settings = {key: getattr(args, key) for key in ("batch", "prompt_tokens", "tokens", "repeats", "pool_gib", "dtype",
                                                     "enforce_eager")}
@@ -66,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     common.write_json(args.out, "layer-groups", settings, rows)
     plot(rows, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and its plot")
-    if not all(row["tokens_equal_single"] for row in rows):
+    if not all(row["tokens_equal_baseline"] for row in rows):
         print("layer-groups: the per-layer groups changed the greedy tokens", file=sys.stderr)
         return 1
     return 0
@@ -79,17 +94,18 @@ def child_flags(args: argparse.Namespace) -> list[str]:
 
 
 def table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
-    headers = ["mode", "groups", "pool blocks", "decode step (ms)", "rounds (ms)", "vs single", "schedule / step (ms)",
-               "start-up (s)", "tokens = single"]
-    return headers, [[row["mode"], str(row["groups"]), str(row["pool_blocks"]), f"{row['median_step_ms']:.1f}",
-                      " / ".join(f"{ms:.1f}" for ms in row["rounds_ms"]), f"{row['step_vs_single']:.3f}x",
-                      f"{row['schedule_ms_per_step']:.2f}", f"{row['start_s']:.1f}",
-                      "yes" if row["tokens_equal_single"] else "NO"] for row in rows]
+    headers = ["mode", "policy", "groups", "pool blocks", "decode step (ms)", "rounds (ms)", "vs baseline",
+               "schedule / step (ms)", "blocks / request", "start-up (s)", "tokens = baseline"]
+    return headers, [[row["mode"], row.get("policy", "none"), str(row["groups"]), str(row["pool_blocks"]),
+                      f"{row['median_step_ms']:.1f}", " / ".join(f"{ms:.1f}" for ms in row["rounds_ms"]),
+                      f"{row['step_vs_baseline']:.3f}x ({row['baseline']})", f"{row['schedule_ms_per_step']:.2f}",
+                      f"{row['request_blocks']:.1f}" if row.get("request_blocks") is not None else "-",
+                      f"{row['start_s']:.1f}", "yes" if row["tokens_equal_baseline"] else "NO"] for row in rows]
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
     figure, axes = common.new_figure(4.5, 3.2)
-    names = [f"{row['mode']} ({row['groups']} groups)" for row in rows]
+    names = [f"{row['mode']}\n({row['groups']} groups)" for row in rows]
     axes.bar(names, [row["median_step_ms"] for row in rows], color="tab:blue")
     for index, row in enumerate(rows):
         axes.plot([index] * len(row["rounds_ms"]), row["rounds_ms"], "k.", markersize=4)
@@ -141,8 +157,11 @@ def measure(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     from benchmarks.ttft import essay_tokens
     from tools import assets
 
+    from vllm_kvprune.engine.scheduler import held_model_blocks
+
     if mode == "per_layer":
         install_layer_specs()
+    policy = MODES[mode][0]
     model = str(assets.tiny_model_dir() if args.tiny else assets.real_model_dir())
     tokens = essay_tokens(model, args.tiny, args.prompt_tokens * args.batch)
     prompts = [tokens[i * args.prompt_tokens:(i + 1) * args.prompt_tokens] for i in range(args.batch)]
@@ -150,10 +169,11 @@ def measure(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     began = time.perf_counter()
     llm = LLM(model=model, dtype=args.dtype, block_size=BLOCK_SIZE, enforce_eager=args.enforce_eager,
               enable_prefix_caching=False, seed=0, max_model_len=context, max_num_seqs=args.batch,
-              kv_cache_memory_bytes=int(args.pool_gib * 2**30))
+              kv_cache_memory_bytes=int(args.pool_gib * 2**30),
+              **({"additional_config": {"kv_policy": {"name": policy}}} if policy else {}))
     start_s = time.perf_counter() - began
     scheduler = common.engine_scheduler(llm)
-    schedule, spent = scheduler.schedule, [0.0, 0]
+    schedule, spent, held = scheduler.schedule, [0.0, 0], []
 
     def timed_schedule(*positional: Any, **named: Any) -> Any:
         began = time.perf_counter()
@@ -167,9 +187,11 @@ def measure(args: argparse.Namespace, mode: str) -> dict[str, Any]:
         outputs = llm.generate([{"prompt_token_ids": list(prompt)} for prompt in prompts],
                                SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
         scheduler.schedule = timed_schedule
-        found = time_decode_steps(llm, prompts, args.tokens, name=mode)
+        found = time_decode_steps(llm, prompts, args.tokens, name=mode, before_abort=lambda ids: held.extend(
+            held_model_blocks(scheduler, request_id) for request_id in ids))
         config = scheduler.kv_cache_config
         found.update(groups=len(config.kv_cache_groups), pool_blocks=config.num_blocks, start_s=start_s,
+                     request_blocks=sum(held) / len(held) if held else None,
                      schedule_ms_per_step=1000 * spent[0] / max(spent[1], 1),
                      token_ids=[list(output.outputs[0].token_ids) for output in outputs])
         return found
@@ -184,7 +206,10 @@ def section(path: Path, doc_dir: Path) -> str:
     document = sections.load(path)
     settings = document.get("settings", {})
     setup = (f"{settings.get('model')} {settings.get('dtype')}, {'eager' if settings.get('enforce_eager') else 'compiled'}"
-             f"; nothing pruned (vLLM's own full-attention manager in both modes); {settings.get('batch')} requests of "
+             f"; `single` / `per_layer`: nothing pruned (vLLM's own full-attention manager); `gvote_one_table` / "
+             "`gvote_per_layer`: gvote (eager, as it runs) with one block table for every layer "
+             "(`KVPRUNE_ONE_TABLE=1`) and as it runs, with a group per layer; `blocks / request`: blocks of the "
+             f"whole model each request holds after the timed steps; {settings.get('batch')} requests of "
              f"{settings.get('prompt_tokens')} essay tokens decoding together, {settings.get('tokens')} timed steps; "
              f"each mode in an engine of its own, the modes taking turns {settings.get('repeats')} times (the median "
              "round shown, every round listed). `per_layer`: one KV-cache group per layer over one shared pool "

@@ -203,10 +203,11 @@ def sampling_params(max_tokens: int):
 
 def sample_step(scheduler, stats: BatchStats, preemptions: dict[str, int]) -> None:
     """Fold the scheduler's state after one step into the batch's stats."""
-    from vllm_kvprune.engine.scheduler import held_blocks
+    from vllm_kvprune.engine.scheduler import held_model_blocks, model_block_shares
 
     pool = scheduler.kv_cache_manager.block_pool
-    used_blocks = pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()  # one null block
+    # In blocks of the whole model (a KV-cache group per layer: layer pages over the layers).
+    used_blocks = (pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()) * min(model_block_shares(scheduler))
     running = scheduler.running
     stats.steps += 1
     stats.running_sum += len(running)
@@ -215,7 +216,7 @@ def sample_step(scheduler, stats: BatchStats, preemptions: dict[str, int]) -> No
     for request in running:
         # One step after its prompt a bounded request has been trimmed to its cap.
         if request.num_computed_tokens > request.num_prompt_tokens:
-            held = held_blocks(scheduler, request.request_id)
+            held = held_model_blocks(scheduler, request.request_id)
             stats.peak_request_blocks = max(stats.peak_request_blocks, held)
             stats.request_blocks_sum += held
             stats.request_samples += 1
@@ -294,10 +295,14 @@ def run_case(engine: EngineSettings, case: Case, progress: ProgressFile) -> dict
         for repeat in range(workload.repeats)
     ]
     best = max(batches, key=lambda batch: batch.tokens_per_s)
-    pool = common.engine_scheduler(llm).kv_cache_manager.block_pool
+    from vllm_kvprune.engine.scheduler import model_block_shares
+
+    scheduler = common.engine_scheduler(llm)
+    pool = scheduler.kv_cache_manager.block_pool
     return {
         **best.to_dict(),
-        "usable_pool_blocks": pool.num_gpu_blocks - 1,
+        # In blocks of the whole model (a KV-cache group per layer: layer pages over the layers).
+        "usable_pool_blocks": (pool.num_gpu_blocks - 1) * min(model_block_shares(scheduler)),
         "all_tokens_per_s": [batch.tokens_per_s for batch in batches],
     }
 

@@ -90,20 +90,24 @@ def test_gvote_under_async_scheduling(async_on_cpu, tiny_model, reference_model,
         """The worker runs a step ahead of what the scheduler has read: every block its map
         uses must be one the scheduler holds for the request, and once the scheduler has
         taken the vote's blocks back, both number the same blocks in the same order."""
+        from test_gvote_engine import request_rows
+
         scheduler, runner = scheduler_of(llm), runner_of(llm)
-        [manager] = scheduler.kvprune_managers
         for request_id, state in runner.kv_state.requests.items():
             pages = state.map
             if request_id not in scheduler.requests or pages is None or not pages.is_paged:
                 continue
-            live = pages.live_row(np.array(runner.requests[request_id].block_ids[0])).tolist()
-            held = manager.req_to_blocks[request_id]
-            real = [block.block_id for block in held if not block.is_null]
-            assert set(live[: pages.blocks_needed(0)]) <= set(real), (request_id, live, real)
-            if any(block.is_null for block in held):  # the scheduler has read the vote's holes
-                assert live == real, (request_id, live, real)
-                holes = pages.row_holes
-                grown_past_holes.append(pages.blocks_needed(0) > holes[0])
+            layer_rows = pages.live_row(request_rows(runner, request_id))
+            for layer, manager in enumerate(scheduler.kvprune_managers):  # a KV-cache group per layer
+                live = [block for block in layer_rows[layer].tolist() if block]
+                held = manager.req_to_blocks[request_id]
+                real = [block.block_id for block in held if not block.is_null]
+                assert set(live[: pages.layer_blocks(0)[layer]]) <= set(real), (request_id, layer, live, real)
+                if any(block.is_null for block in held):  # the scheduler has read the vote's holes
+                    assert live == real, (request_id, layer, live, real)
+                    start, stop = pages.row_holes[layer]
+                    if start < stop:
+                        grown_past_holes.append(pages.layer_blocks(0)[layer] > start)
 
     with engine(tiny_model, {"name": "gvote"}, kv_blocks=512) as llm:
         assert runner_of(llm).kv_state.footprint_lookahead == 1

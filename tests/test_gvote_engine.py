@@ -35,34 +35,49 @@ def _prompt_part(pages, layer: int, head: int, num_prompt: int) -> int:
     return int((pages.kept_positions(layer, head) < num_prompt).sum())
 
 
+def request_rows(runner, request_id: str) -> np.ndarray:
+    """The request's block-table rows in the worker, one per KV-cache group of the policy
+    (one per layer), 0-padded to one width `[groups, width]`."""
+    block_ids = runner.requests[request_id].block_ids
+    rows = [block_ids[group] for group in runner.policy_groups]
+    width = max(len(row) for row in rows)
+    return np.array([list(row) + [0] * (width - len(row)) for row in rows], np.int64)
+
+
 def check_invariants(llm) -> None:
-    """Scheduler: between steps a voted request holds what its kept tokens need, at most
-    what they need with the next token too (allocated before that step), nothing more.
-    Worker: no head-page of the pool is mapped by two heads or two requests."""
+    """Scheduler: between steps a voted request holds what its kept tokens need, layer by layer
+    (one KV-cache group each), at most what they need with the next token too (allocated
+    before that step), nothing more. Worker: no head-page of the pool is mapped by two heads
+    or two requests."""
     scheduler, runner = scheduler_of(llm), runner_of(llm)
-    owners: dict[tuple[int, int], str] = {}
+    assert len(runner.policy_groups) == len(scheduler.kvprune_managers) == runner.kv_state.tables.num_layers
+    owners: dict[int, str] = {}
     for request_id, state in runner.kv_state.requests.items():
         pages = state.map
         if request_id not in runner.requests or pages is None or not pages.is_paged:
             continue
-        block_row = pages.live_row(np.array(runner.requests[request_id].block_ids[0]))
+        layer_rows = pages.live_row(request_rows(runner, request_id))
         if request_id in scheduler.requests:
             held = scheduler.held_blocks(request_id)
-            assert pages.blocks_needed(0) <= held <= pages.blocks_needed(1), (request_id, held)
+            assert pages.blocks_needed(0).sum() <= held <= pages.blocks_needed(1).sum(), (request_id, held)
             # The blocks the worker's map numbers are the ones the scheduler holds for it, in
-            # order: after a vote gives blocks back, later ones are not read from stale ids.
-            [manager] = scheduler.kvprune_managers
-            real = [block.block_id for block in manager.req_to_blocks[request_id] if not block.is_null]
-            assert block_row[: len(real)].tolist() == real, (request_id, block_row[: len(real) + 1], real)
+            # order, layer by layer: after a vote gives blocks back, later ones are not read
+            # from stale ids.
+            for layer, manager in enumerate(scheduler.kvprune_managers):
+                real = [block.block_id for block in manager.req_to_blocks[request_id] if not block.is_null]
+                assert layer_rows[layer, : len(real)].tolist() == real, (request_id, layer, real)
+                assert len(real) <= pages.layer_blocks(1)[layer], (request_id, layer, real)
         pages.check()
         for layer in range(pages.num_layers):
             count = -(-pages.lengths[layer] // pages.block_size)
             table = pages.page_table(layer, int(count.max()))
             held = np.concatenate([table[head, : count[head]] for head in range(pages.num_heads)])
-            assert (held // pages.num_heads < len(block_row)).all(), "a head reads a block it does not hold"
-            for page in global_head_pages(block_row, held, pages.num_heads).tolist():
-                assert (layer, page) not in owners, f"head-page {page} of layer {layer} mapped twice"
-                owners[(layer, page)] = request_id
+            assert (held // pages.num_heads < np.count_nonzero(layer_rows[layer])).all(), \
+                "a head reads a block it does not hold"
+            # Each layer's blocks are its own: a pool head-page is mapped once over every layer.
+            for page in global_head_pages(layer_rows[layer], held, pages.num_heads).tolist():
+                assert page not in owners, f"head-page {page} (layer {layer}) mapped twice"
+                owners[page] = request_id
 
 
 def assert_parity(llm, reference_model, prompt_ids: list[list[int]], settings: dict) -> None:
@@ -128,8 +143,9 @@ class TestSharedEngine:
             check_invariants(gvote_llm)
             for state in runner.kv_state.requests.values():
                 holes = state.map.row_holes if state.map is not None else None
-                if holes is not None and holes[0] < holes[1]:
-                    grown_past_holes.append(state.map.blocks_needed(0) > holes[0])
+                if holes is not None and (holes[:, 0] < holes[:, 1]).any():
+                    gave_back = holes[:, 0] < holes[:, 1]
+                    grown_past_holes.append(bool((state.map.layer_blocks(0) > holes[:, 0])[gave_back].any()))
 
         finished = run_steps(gvote_llm, prompts((180, 260, 330, 390), seed=8),
                              [greedy(120, kv_gvote_p=0.1, kv_gvote_samples=4)] * 4, on_step=watch)
@@ -228,7 +244,7 @@ def test_a_request_near_max_model_len_after_its_vote_gave_blocks_back(tiny_model
         def watch() -> None:
             for request_id, state in runner.kv_state.requests.items():
                 if request_id in runner.requests and state.map is not None and state.map.row_holes is not None:
-                    widest.append((len(runner.requests[request_id].block_ids[0]), state.map.row_holes))
+                    widest.append((request_rows(runner, request_id).shape[1], tuple(state.map.row_holes.min(axis=0))))
 
         finished = run_steps(llm, [prompt], [greedy(new_tokens, kv_gvote_p=0.1, kv_gvote_samples=4)], on_step=watch)
         assert all_blocks_free(llm)

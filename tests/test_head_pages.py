@@ -43,7 +43,13 @@ def test_vote_packs_heads_and_needs_the_mean_not_the_max():
         for head in range(HEADS):
             assert (pages.kept_positions(layer, head) == np.flatnonzero(keep[layer, head])).all()
     longest = -(-pages.lengths.max() // BS)  # blocks a max-over-heads layout would need
-    assert pages.blocks_needed() == -(-pages.used.max() // HEADS) < longest
+    assert pages.blocks_needed().tolist() == [-(-pages.used.max() // HEADS)] and pages.blocks_needed()[0] < longest
+    # A KV-cache group per layer: each layer needs its own count, the sum below every layer at the fullest's.
+    per_layer = HeadPageMap(LAYERS, HEADS, BS, group_of_layer=np.arange(LAYERS))
+    per_layer.append_uniform(prompt)
+    for layer in range(LAYERS):
+        per_layer.apply_layer_vote(layer, keep[layer])
+    assert per_layer.blocks_needed().tolist() == (-(-pages.used // HEADS)).tolist()
 
 
 def test_moves_put_every_kept_token_in_its_page():
@@ -75,7 +81,7 @@ def test_decode_appends_to_every_head_and_takes_new_pages():
     keep[:, 1, :1] = True  # head 1: one token
     keep[:, 2, :8] = True  # head 2: two full pages
     pages, _ = voted_map(8, keep)
-    assert pages.blocks_needed(1) == -(-(2 + 1 + 3) // HEADS)  # heads 0 and 2 need a new page
+    assert pages.blocks_needed(1).tolist() == [-(-(2 + 1 + 3) // HEADS)]  # heads 0 and 2 need a new page
     slots = pages.append_decode(8)
     assert slots.shape == (LAYERS, HEADS)
     assert (pages.lengths[0] == [5, 2, 9]).all()
@@ -125,26 +131,43 @@ def test_blocks_spanned_follow_the_pages_in_use():
     hold the busiest layer's head-pages (page j lives in local block j // H)."""
     pages = HeadPageMap(LAYERS, HEADS, BS)
     pages.append_uniform(9)
-    assert pages.blocks_spanned(BS) == 3  # 9 tokens of 4 per block
+    assert pages.blocks_spanned(BS).tolist() == [3, 3]  # 9 tokens of 4 per block, every layer
     keep = np.zeros((LAYERS, HEADS, 9), bool)
     keep[0, :, :5] = True  # layer 0: 2 pages per head, 6 pages: 2 blocks
     keep[1, 0, :1] = keep[1, 1, :1] = keep[1, 2, :1] = True  # layer 1: 3 pages: 1 block
     pages, _ = voted_map(9, keep)
-    assert pages.used.tolist() == [6, 3] and pages.blocks_spanned(BS) == 2
+    assert pages.used.tolist() == [6, 3] and pages.blocks_spanned(BS).tolist() == [2, 1]
 
 
 def test_the_live_row_skips_the_positions_a_vote_gave_back():
     """The worker's row is append-only: after a vote leaves 2 of 5 blocks, blocks allocated
     later come after the 3 given back, and local block 2 is the first of them."""
     pages = HeadPageMap(num_layers=1, num_heads=2, block_size=4)
-    pages.row_seen = 5
-    assert pages.live_row(np.array([7, 8, 9, 10, 11, 0])).tolist() == [7, 8, 9, 10, 11, 0]  # not settled yet
-    assert pages.settle_holes(2) == (2, 5)
-    assert pages.live_row(np.array([7, 8, 9, 10, 11, 20, 21, 0])).tolist() == [7, 8, 20, 21, 0]
+    pages.row_seen[:] = 5
+    assert pages.live_row(np.array([7, 8, 9, 10, 11, 0])).tolist() == [[7, 8, 9, 10, 11, 0]]  # not settled yet
+    assert pages.settle_holes([2]) == [(2, 5)]
+    assert pages.live_row(np.array([7, 8, 9, 10, 11, 20, 21, 0])).tolist() == [[7, 8, 20, 21, 0, 0, 0, 0]]
     wide = HeadPageMap(num_layers=1, num_heads=2, block_size=4)
-    wide.row_seen = 2
-    assert wide.settle_holes(3) == (2, 2)  # a footprint beyond the row gives nothing back
-    assert wide.live_row(np.array([7, 8, 20])).tolist() == [7, 8, 20]
+    wide.row_seen[:] = 2
+    assert wide.settle_holes([3]) == [(2, 2)]  # a footprint beyond the row gives nothing back
+    assert wide.live_row(np.array([7, 8, 20])).tolist() == [[7, 8, 20]]
+
+
+def test_per_layer_rows_give_back_each_layers_own_surplus():
+    """A KV-cache group per layer: each layer's row is its own, and the vote gives back each
+    layer's surplus at its own position (layer 0 keeps 2 of 4 blocks, layer 1 keeps 1)."""
+    pages = HeadPageMap(num_layers=2, num_heads=2, block_size=4, group_of_layer=np.array([0, 1]))
+    rows = np.array([[1, 2, 3, 4, 0, 0], [5, 6, 7, 8, 0, 0]])
+    assert pages.live_row(rows).tolist() == rows.tolist()
+    with pytest.raises(InvariantError, match="1 block-table rows for 2 KV-cache groups"):
+        pages.live_row(rows[0])
+    pages.row_seen[:] = 4
+    assert pages.settle_holes([2, 1]) == [(2, 4), (1, 4)]
+    grown = np.array([[1, 2, 3, 4, 9, 0], [5, 6, 7, 8, 10, 11]])  # blocks allocated after the vote
+    assert pages.live_row(grown).tolist() == [[1, 2, 9, 0, 0, 0], [5, 10, 11, 0, 0, 0]]
+    # Each layer's head-pages through its own row: page 3 is local block 1, head 1 (pool block 2 in
+    # layer 0, 10 in layer 1).
+    assert global_head_pages(pages.live_row(grown), np.array([[[3]], [[3]]]), 2).tolist() == [[[2 * 2 + 1]], [[10 * 2 + 1]]]
 
 
 def test_footprints_cover_one_more_token_under_async_scheduling():
@@ -158,14 +181,14 @@ def test_footprints_cover_one_more_token_under_async_scheduling():
     keep = np.zeros((LAYERS, HEADS, 40), bool)
     keep[:, :, : BS - 1] = True  # the next token fills every head's page, the one after needs a new one
     pages, _ = voted_map(40, keep)
-    pages.row_seen = -(-40 // BS)
+    pages.row_seen[:] = -(-40 // BS)
     worker = WorkerKVState(KVPolicyConfig(name="gvote"))
     worker.requests["r"] = RequestKVState(config=worker.engine_config, policy=get_policy("gvote"), request_id="r",
                                           map=pages)
     sync = worker.footprints()["r"]
-    assert sync == pages.blocks_needed(1)
+    assert sync == pages.blocks_needed(1).tolist()
     worker.footprint_lookahead = 1
-    assert worker.footprints()["r"] == pages.blocks_needed(2) > sync
+    assert worker.footprints()["r"] == pages.blocks_needed(2).tolist() and pages.blocks_needed(2)[0] > sync[0]
     report = worker.settle_holes({"footprints": {"r": sync}})
-    assert report["holes"] == {"r": (sync, pages.row_seen)}
+    assert report["holes"] == {"r": [(sync[0], -(-40 // BS))]}
     assert "holes" not in worker.settle_holes({"footprints": {"r": sync}})  # named once

@@ -110,15 +110,16 @@ def _per_head(choice: tuple[str, list]) -> list[list[int]]:
 
 
 def test_report_merge_takes_the_widest_rank_and_every_failure(monkeypatch) -> None:
-    """The scheduler reads the first rank's output only: a head-page request gets the blocks its
-    widest rank needs, a request failed on rank 1 fails, kept tokens average over the ranks."""
+    """The scheduler reads the first rank's output only: a head-page request gets, in each of its
+    KV-cache groups (one per layer), the blocks its widest rank needs there, a request failed on
+    rank 1 fails, kept tokens average over the ranks."""
     first = {"failed": {}, "kept": {"a": (10.0, 12), "b": (4.0, 4)}, "seconds": {"plan": 0.1, "score": 0.2, "move": 0.0},
-             "footprints": {"a": 3, "b": 1}}
+             "footprints": {"a": [3, 4], "b": [1, 1]}}
     second = {"failed": {"b": "score: boom"}, "kept": {"a": (20.0, 30)}, "seconds": {"plan": 0.3, "score": 0.1, "move": 0.0},
-              "footprints": {"a": 5}}
+              "footprints": {"a": [5, 2]}}
     monkeypatch.setattr(vllm_hooks, "tp_all_gather_object", lambda report: [first, second])
     merged = tensor_parallel.merged_report(first)
-    assert merged["footprints"] == {"a": 5, "b": 1}
+    assert merged["footprints"] == {"a": [5, 4], "b": [1, 1]}
     assert merged["failed"] == {"b": "score: boom"}
     assert merged["kept"] == {"a": (15.0, 30)}
     assert merged["seconds"] == {"plan": 0.3, "score": 0.2, "move": 0.0}

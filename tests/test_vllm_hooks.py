@@ -42,7 +42,7 @@ def test_a_moved_hook_is_named(hook: Hook, named: str) -> None:
 
 def test_a_read_that_vllm_moved_fails_naming_its_hook() -> None:
     with pytest.raises(RuntimeError, match="vLLM changed under hook 'InputBatch'"):
-        vllm_hooks.batch_rows(object(), 1, 0)
+        vllm_hooks.batch_rows(object(), 1, [0])
 
 
 def test_supported_versions_are_declared_in_pyproject_and_hold() -> None:

@@ -381,8 +381,9 @@ def __getattr__(name: str):
 # ---- engine core and worker --------------------------------------------------------------
 def _install_kv_spec() -> None:
     from vllm_kvprune.engine.manager import KVPruneManager
-    from vllm_kvprune.engine.spec import FdcSpec, KVPruneSpec, PrunedFdcSpec
+    from vllm_kvprune.engine.spec import FdcSpec, KVPruneSpec, LayerKVPruneSpec, PrunedFdcSpec
 
     vllm_hooks.install_kv_spec(KVPruneSpec, KVPruneManager)
+    vllm_hooks.install_kv_spec(LayerKVPruneSpec, KVPruneManager, uniform_base=LayerKVPruneSpec)
     vllm_hooks.install_kv_spec(FdcSpec, vllm_hooks.FullAttentionManager)
     vllm_hooks.install_kv_spec(PrunedFdcSpec, KVPruneManager)

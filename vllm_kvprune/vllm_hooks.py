@@ -118,13 +118,15 @@ def install_engine_config(before: Callable[[Any], Any], after: Callable[[Any, An
     EngineArgs.create_engine_config = create_engine_config
 
 
-def install_kv_spec(spec_cls: type, manager_cls: type) -> None:
+def install_kv_spec(spec_cls: type, manager_cls: type, uniform_base: type | None = None) -> None:
+    """Register a spec with its manager; `uniform_base`: the class its layers count as uniform
+    with (vLLM's full attention unless given: a layer spec that merges only with itself)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
     # Registering first would leave vLLM's built-in specs unregistered (VLLM_NOTES A8).
     KVCacheSpecRegistry._ensure_registered()
-    KVCacheSpecRegistry.register(spec_cls, manager_cls, uniform_type_base_spec=FullAttentionSpec)
+    KVCacheSpecRegistry.register(spec_cls, manager_cls, uniform_type_base_spec=uniform_base or FullAttentionSpec)
 
 
 def install_memory_hint(hint: Callable[[Any], str | None]) -> None:
@@ -263,9 +265,13 @@ def _read(what: str, read: Callable[[], Any]) -> Any:
         raise RuntimeError(f"vllm-kvprune: vLLM changed under hook {what!r}: {exc}") from exc
 
 
-def batch_rows(runner: Any, num_reqs: int, group: int) -> tuple[list[str], Any, Any, Any, list]:
-    """(request ids, computed tokens, prompt tokens, block-table rows of KV-cache group
-    `group`, extra args) of the first `num_reqs` rows of the runner's input batch."""
+def batch_rows(runner: Any, num_reqs: int, groups: list[int]) -> tuple[list[str], Any, Any, Any, list]:
+    """(request ids, computed tokens, prompt tokens, block-table rows, extra args) of the first
+    `num_reqs` rows of the runner's input batch. The rows are those of KV-cache group
+    `groups[0]`, `[rows, width]`, when one group serves the policy's layers, else every group's
+    stacked, `[groups, rows, width]` (one group per layer: `docs/PER_LAYER.md`)."""
+
+    import numpy as np
 
     def read():
         batch = runner.input_batch
@@ -275,8 +281,9 @@ def batch_rows(runner: Any, num_reqs: int, group: int) -> tuple[list[str], Any, 
             state = runner.requests.get(rid)
             params = state.sampling_params if state is not None else None
             extra_args.append(params.extra_args if params is not None else None)
+        tables = [batch.block_table[group].block_table.np[:num_reqs] for group in groups]
         return (req_ids, batch.num_computed_tokens_cpu[:num_reqs], batch.num_prompt_tokens[:num_reqs],
-                batch.block_table[group].block_table.np[:num_reqs], extra_args)
+                tables[0] if len(tables) == 1 else np.stack(tables), extra_args)
 
     return _read("InputBatch", read)
 

@@ -110,7 +110,7 @@ def generate_measured(llm: Any, runs: Sequence[Run], progress: bool = True) -> l
     """Every run through the engine, step by step as `LLM.generate` does, measured."""
     from tqdm import tqdm
 
-    from vllm_kvprune.engine.scheduler import held_blocks
+    from vllm_kvprune.engine.scheduler import held_model_blocks
     from vllm_kvprune.worker.head_page_map import HeadPageMap
 
     engine, scheduler = llm.llm_engine, common.engine_scheduler(llm)
@@ -118,7 +118,7 @@ def generate_measured(llm: Any, runs: Sequence[Run], progress: bool = True) -> l
     index_of = {engine.add_request(str(i), {"prompt_token_ids": run.case.prompt_ids},
                                    sampling_params(run.case, run.settings)): i for i, run in enumerate(runs)}
     outputs: dict[int, Any] = {}
-    held: dict[int, list[int]] = defaultdict(list)
+    held: dict[int, list[float]] = defaultdict(list)
     per_layer: dict[int, list[float]] = defaultdict(list)
     with tqdm(total=len(runs), disable=not progress) as bar:
         while engine.has_unfinished_requests():
@@ -129,7 +129,7 @@ def generate_measured(llm: Any, runs: Sequence[Run], progress: bool = True) -> l
             for request in scheduler.running:  # past the prompt: the memory the answer is made from
                 if request.num_computed_tokens > request.num_prompt_tokens:
                     index = index_of[request.request_id]
-                    held[index].append(held_blocks(scheduler, request.request_id))
+                    held[index].append(held_model_blocks(scheduler, request.request_id))
                     state = kv_state.requests.get(request.request_id) if kv_state is not None else None
                     if state is not None and isinstance(state.map, HeadPageMap):  # head-pages (gvote)
                         per_layer[index].append(state.map.mean_layer_blocks())

@@ -81,19 +81,26 @@ def _check_inside_own_blocks(request_id: str, spanned: int, block_row: np.ndarra
 
 
 def check_planned(states: list[tuple[str, Any, np.ndarray]], block_size: int) -> None:
-    """`states`: (request id, its RequestKVState, its block-table row) for each planned row."""
+    """`states`: (request id, its RequestKVState, its block-table row as its map numbers blocks:
+    one row `[width]`, or each layer's `[L, width]` for a map whose layers' blocks are their own
+    (`blocks_spanned` and `local_slots` then per layer too))."""
     held_slots, holders = [], []
     for request_id, state, block_row in states:
-        block_row = np.asarray(block_row)
+        rows = np.atleast_2d(np.asarray(block_row))
         state.map.check()
-        _check_inside_own_blocks(request_id, state.map.blocks_spanned(block_size), block_row)
-        slots = state.map.local_slots()
-        held_slots.append(block_row[slots // block_size] * block_size + slots % block_size)
-        holders += [request_id] * len(slots)
+        spanned = np.broadcast_to(np.asarray(state.map.blocks_spanned(block_size)), (len(rows),))
+        local = state.map.local_slots()
+        for layer, (row, count, slots) in enumerate(zip(rows, spanned, local if isinstance(local, list) else [local])):
+            _check_inside_own_blocks(request_id, int(count), row)
+            # Keyed by layer: with one table for every layer, each layer's cache is its own tensor.
+            held_slots.append((layer, row[slots // block_size].astype(np.int64) * block_size + slots % block_size))
+            holders += [request_id] * len(slots)
     if held_slots:
-        every = np.concatenate(held_slots)
+        stride = 1 + max(int(slots.max(initial=0)) for _, slots in held_slots)
+        every = np.concatenate([layer * stride + slots for layer, slots in held_slots])
         unique, first, counts = np.unique(every, return_index=True, return_counts=True)
         if (counts > 1).any():
-            slot = int(unique[counts > 1][0])
-            sharing = sorted({holders[i] for i in np.flatnonzero(every == slot)})
-            raise InvariantError(f"kvprune check: slot {slot} is held by {', '.join(sharing)}")
+            key = int(unique[counts > 1][0])
+            sharing = sorted({holders[i] for i in np.flatnonzero(every == key)})
+            layer, slot = divmod(key, stride)
+            raise InvariantError(f"kvprune check: slot {slot} (layer {layer}) is held by {', '.join(sharing)}")

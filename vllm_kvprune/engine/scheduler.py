@@ -62,6 +62,11 @@ class KVPruneSchedulerMixin:
         self.refused: dict[str, str] = {}  # request -> why its overrides were refused here, until its output
         managers = vllm_hooks.single_type_managers(self)
         self.kvprune_managers = [manager for manager in managers if isinstance(manager, KVPruneManager)]
+        # Per policy group: the share of the policy's layers one of its blocks holds a page of (1 with
+        # one group; 1 / layers with a group per layer), so reports count blocks of all its layers.
+        sizes = [len(group.layer_names) for group, manager in zip(self.kv_cache_config.kv_cache_groups, managers)
+                 if isinstance(manager, KVPruneManager)]
+        self._policy_shares = [size / sum(sizes) for size in sizes]
         for manager in self.kvprune_managers:
             manager.bind_policies(self.request_policies.get, self._prompt_tokens)
         # Blocks a request needs from vLLM's own (uncapped) groups, e.g. sliding windows.
@@ -104,9 +109,11 @@ class KVPruneSchedulerMixin:
             return
         policy, block_size = self.kv_policy, self.kvprune_managers[0].block_size
         if policy.reports_footprint:
-            logger.info("kvprune: policy %s; the KV pool holds %d blocks (%d tokens); each request keeps what "
-                        "its vote chooses, per KV head in head-pages, and the surplus goes back to the pool",
-                        policy.name, self.usable_blocks, self.usable_blocks * block_size)
+            layers = len(self.kvprune_managers)
+            logger.info("kvprune: policy %s; the KV pool holds %d blocks of one layer each (%d tokens of all %d "
+                        "layers); each request keeps what its vote chooses, per layer and KV head in head-pages, "
+                        "each layer in blocks of its own, and the surplus goes back to the pool",
+                        policy.name, self.usable_blocks, self.usable_blocks * block_size // max(layers, 1), layers)
             return
         cap = policy.cap_blocks(block_size)
         longest = self.usable_blocks - self._other_group_blocks
@@ -155,11 +162,14 @@ class KVPruneSchedulerMixin:
     def update_from_output(self, scheduler_output, model_runner_output):
         # Head-page policies: what each voted request needs for its next token, as the worker
         # counted it; a vote's surplus goes back to the pool now.
+        # One count (and once, the positions given back) per KV-cache group of the policy, in
+        # group order: one group, or one per layer.
         holes = vllm_hooks.step_report_of(model_runner_output).get("holes") or {}
-        for request_id, num_blocks in vllm_hooks.footprints_of(model_runner_output).items():
+        for request_id, group_blocks in vllm_hooks.footprints_of(model_runner_output).items():
             if request_id in self.requests:
-                for manager in self.kvprune_managers:
-                    manager.set_footprint(request_id, num_blocks, holes.get(request_id))
+                group_holes = holes.get(request_id) or [None] * len(group_blocks)
+                for manager, num_blocks, given_back in zip(self.kvprune_managers, group_blocks, group_holes, strict=True):
+                    manager.set_footprint(request_id, num_blocks, None if given_back is None else tuple(given_back))
         # The tokens each request that asked for a `kv_report` keeps, as last reported, for that
         # report when it ends.
         for request_id, kept in (vllm_hooks.step_report_of(model_runner_output).get("kept") or {}).items():
@@ -221,8 +231,10 @@ class KVPruneSchedulerMixin:
     def kv_report(self, request) -> dict:
         """A finished request's KV statistics (asked for with the `kv_report` extra arg): its
         policy, the blocks it held at the end in the policy's KV-cache groups against those it
-        would hold without the policy, and the tokens it kept (mean and max over layers and KV
-        heads, as the worker last reported them; absent with KVPRUNE_METRICS=0)."""
+        would hold without the policy (blocks of all the policy's layers: with a group per
+        layer a fraction, its layer pages over the layers), and the tokens it kept (mean and max
+        over layers and KV heads, as the worker last reported them; absent with
+        KVPRUNE_METRICS=0)."""
         request_id = request.request_id
         policy = self.request_policies.get(request_id)
         report = {"policy": policy.name if policy is not None else self.kv_policy.name,
@@ -254,15 +266,18 @@ class KVPruneSchedulerMixin:
         policy = self.request_policies.get(request_id)
         self.kvprune_stats.returned(num_blocks, policy.name if policy is not None else self.kv_policy.name)
 
-    def _policy_blocks(self, request_id: str) -> int:
-        """Real blocks the request holds in the policy's own KV-cache groups."""
-        return held_blocks(self, request_id, self.kvprune_managers)
+    def _policy_blocks(self, request_id: str) -> float:
+        """Real blocks the request holds in the policy's own KV-cache groups, in blocks of all the
+        policy's layers (with a group per layer: its layer pages over the layers)."""
+        held = sum(share * held_blocks(self, request_id, [manager])
+                   for share, manager in zip(self._policy_shares, self.kvprune_managers))
+        return held if len(self.kvprune_managers) > 1 else int(held)
 
     def _unpruned_blocks(self, request) -> int:
-        """Blocks the request would hold in those groups without the policy."""
+        """Blocks (of all the policy's layers) the request would hold without the policy."""
         if not self.kvprune_managers:
             return 0
-        return -(-request.num_computed_tokens // self.kvprune_managers[0].block_size) * len(self.kvprune_managers)
+        return -(-request.num_computed_tokens // self.kvprune_managers[0].block_size)
 
     def _write_stats(self, force: bool = False) -> None:
         stats = self.kvprune_stats
@@ -307,3 +322,19 @@ def held_blocks(scheduler, request_id: str, managers=None) -> int:
         sum(1 for block in manager.req_to_blocks.get(request_id, ()) if not block.is_null)
         for manager in (vllm_hooks.single_type_managers(scheduler) if managers is None else managers)
     )
+
+
+def model_block_shares(scheduler) -> list[float]:
+    """Per KV-cache group (vLLM's order): the share of the model's attention layers one of its
+    blocks holds a page of (1 with one group for every layer; 1 / layers with a group per layer)."""
+    groups = scheduler.kv_cache_config.kv_cache_groups
+    total = sum(len(group.layer_names) for group in groups)
+    return [len(group.layer_names) / total for group in groups]
+
+
+def held_model_blocks(scheduler, request_id: str) -> float:
+    """Real blocks a request holds, in blocks of the whole model (a page of every layer): with a
+    KV-cache group per layer, its layer pages over the number of layers. What compares a policy
+    with per-layer tables (`gvote`) with one that has one table (`none`)."""
+    return sum(share * sum(1 for block in manager.req_to_blocks.get(request_id, ()) if not block.is_null)
+               for share, manager in zip(model_block_shares(scheduler), vllm_hooks.single_type_managers(scheduler)))

@@ -80,6 +80,13 @@ class Policy:
         return self.layout == "head_pages"
 
     @property
+    def per_layer_tables(self) -> bool:
+        """Whether each layer's blocks are its own (one KV-cache group per layer, over the one
+        pool): a request then holds the sum over layers of what each keeps, not its largest
+        layer's need (docs/PER_LAYER.md). A policy whose layers keep different amounts."""
+        return self.layout == "head_pages"
+
+    @property
     def uncapped(self) -> bool:
         """Whether nothing bounds a request's blocks below `max_model_len`."""
         return self.layout in ("head_pages", "full")

@@ -15,10 +15,18 @@ them and the request needs `ceil(max_l of that / H)` blocks: memory follows the 
 heads, not the longest head. Decode appends one token to every head; a head whose last
 page is full takes the layer's next unused head-page.
 
-Local block i is not always position i of the request's block-table row: the worker's row
-is append-only (VLLM_NOTES 5), so the blocks the vote gives back stay in it as stale ids,
-`row_holes = (start, stop)`, and blocks allocated later come after them. `live_row` is the
-row without them; the scheduler nulls the same positions (`engine/manager.py`).
+Each layer's blocks are its own when every layer has a KV-cache group of its own
+(`Policy.per_layer_tables`: the request's rows `[groups, width]`, `group_of_layer` the
+identity): layer l's head-page j is then `rows[l][j // H] * H + j % H`, the request holds
+`sum_l ceil(pages_l / H)` blocks, and its memory follows the mean over layers and heads. With
+one table for every layer (`group_of_layer` all 0, a row `[width]`), the fullest layer sets the
+count. Either way the map numbers each layer's head-pages from 0 in that layer's own row.
+
+Local block i is not always position i of a block-table row: the worker's rows are
+append-only (VLLM_NOTES 5), so the blocks the vote gives back stay in them as stale ids,
+`row_holes[l] = (start, stop)` per layer, and blocks allocated later come after them.
+`live_row` is each layer's row without them; the scheduler nulls the same positions
+(`engine/manager.py`).
 """
 
 from __future__ import annotations
@@ -38,16 +46,20 @@ class HeadPageMap:
     - no (layer, head) holds a position twice.
     """
 
-    def __init__(self, num_layers: int, num_heads: int, block_size: int) -> None:
+    def __init__(self, num_layers: int, num_heads: int, block_size: int,
+                 group_of_layer: np.ndarray | None = None) -> None:
         self.num_layers, self.num_heads, self.block_size = num_layers, num_heads, block_size
+        # The KV-cache group whose blocks each layer's head-pages live in (all 0: one table).
+        self.group_of_layer = np.zeros(num_layers, np.int64) if group_of_layer is None else np.asarray(group_of_layer)
+        self.num_groups = int(self.group_of_layer.max()) + 1
         self.num_uniform = 0  # tokens while uniform (every head holds positions 0..n-1)
         self.lengths: np.ndarray | None = None  # [L, H] once paged
         self.pages: np.ndarray | None = None  # [L, H, max pages] local head-page ids, SKIP-padded
         self.used: np.ndarray | None = None  # [L] head-pages in use per layer
         self.positions: np.ndarray | None = None  # [L, H, capacity] position of each held token
         self._voted: np.ndarray | None = None  # [L] layers whose vote has been applied
-        self.row_seen = 0  # blocks in the request's row when its prompt's last step was planned
-        self.row_holes: tuple[int, int] | None = None  # row positions given back after the vote
+        self.row_seen = np.zeros(num_layers, np.int64)  # [L] blocks in each layer's row at the prompt's last step
+        self.row_holes: np.ndarray | None = None  # [L, 2] (start, stop) of each layer's row given back after the vote
         # While the prompt is prefilled: the statistics of each layer's query-projection input
         # the vote samples from (sum and sum of squares per channel, float64, `[layers,
         # hidden]`, and the token count per layer); dropped once every layer has voted.
@@ -63,31 +75,42 @@ class HeadPageMap:
             return float(self.num_uniform), self.num_uniform
         return float(self.lengths.mean()), int(self.lengths.max())
 
-    def blocks_spanned(self, block_size: int) -> int:
-        """Leading local blocks of the request's row its head-pages live in (debug checks):
-        head-page j is in local block j // H."""
+    def blocks_spanned(self, block_size: int) -> np.ndarray:
+        """Leading local blocks of each layer's row its head-pages live in `[L]` (debug
+        checks): head-page j is in local block j // H."""
         if self.lengths is None:
-            return -(-self.num_uniform // block_size)
-        return -(-int(self.used.max()) // self.num_heads)
+            return np.full(self.num_layers, -(-self.num_uniform // block_size))
+        return -(-self.used // self.num_heads)
 
-    def local_slots(self) -> np.ndarray:
-        """The request's local slots in the blocks its head-pages live in (debug checks)."""
-        return np.arange(self.blocks_spanned(self.block_size) * self.block_size)
+    def local_slots(self) -> list[np.ndarray]:
+        """Each layer's local slots in the blocks its head-pages live in (debug checks)."""
+        return [np.arange(count * self.block_size) for count in self.blocks_spanned(self.block_size)]
 
-    # ---- the block-table row -------------------------------------------------------------
-    def live_row(self, block_row: np.ndarray) -> np.ndarray:
-        """The request's row without the positions the vote gave back (local block i ->
-        pool block)."""
-        if self.row_holes is None or self.row_holes[0] == self.row_holes[1]:
-            return block_row
-        start, stop = self.row_holes
-        return np.concatenate([block_row[:start], block_row[stop:]])
+    # ---- the block-table rows ------------------------------------------------------------
+    def live_row(self, block_rows: np.ndarray) -> np.ndarray:
+        """Each layer's row `[L, width]` (local block i -> pool block) from the request's rows
+        (`[groups, width]`, or one row `[width]` for every layer), without the positions the
+        vote gave back (0 past a row's end)."""
+        rows = np.atleast_2d(block_rows)
+        if rows.shape[0] != self.num_groups:
+            raise InvariantError(f"{rows.shape[0]} block-table rows for {self.num_groups} KV-cache groups")
+        rows = rows[self.group_of_layer] if self.num_groups > 1 else np.broadcast_to(rows, (self.num_layers, rows.shape[1]))
+        if self.row_holes is None or not (self.row_holes[:, 1] > self.row_holes[:, 0]).any():
+            return rows
+        width = rows.shape[1]
+        start, given_back = self.row_holes[:, :1], self.row_holes[:, 1:] - self.row_holes[:, :1]
+        index = np.arange(width)[None, :]
+        index = index + (index >= start) * given_back
+        return np.where(index < width, np.take_along_axis(rows, np.minimum(index, width - 1), axis=1), 0)
 
-    def settle_holes(self, footprint: int) -> tuple[int, int]:
-        """Once, with the first footprint the scheduler reads after the vote: the positions
-        of the row as the worker saw it at the vote that the footprint leaves out."""
-        self.row_holes = (min(footprint, self.row_seen), self.row_seen)
-        return self.row_holes
+    def settle_holes(self, footprints: list[int]) -> list[tuple[int, int]]:
+        """Once, with the first footprints (one per group) the scheduler reads after the vote:
+        the positions of each group's row, as the worker saw it at the vote, that the
+        footprint leaves out."""
+        footprint = np.asarray(footprints, np.int64)[self.group_of_layer]
+        self.row_holes = np.stack([np.minimum(footprint, self.row_seen), self.row_seen], axis=1)
+        first_layer = np.unique(self.group_of_layer, return_index=True)[1]
+        return [(int(start), int(stop)) for start, stop in self.row_holes[first_layer]]
 
     # ---- while uniform ----------------------------------------------------------------
     def append_uniform(self, num_new: int) -> np.ndarray:
@@ -172,18 +195,21 @@ class HeadPageMap:
         self.lengths += 1
         return slots
 
-    def blocks_needed(self, extra_tokens: int = 0) -> int:
-        """Blocks the request must hold for its tokens plus `extra_tokens` more in every head
-        (a layer's pages are exactly `sum_h ceil(len_h / bs)`: no page is ever given up); one
-        block table serves every layer, so the fullest layer sets the count."""
-        return int(self._layer_blocks(extra_tokens).max())
+    def blocks_needed(self, extra_tokens: int = 0) -> np.ndarray:
+        """Blocks the request must hold in each KV-cache group `[groups]` for its tokens plus
+        `extra_tokens` more in every head (a layer's pages are exactly `sum_h ceil(len_h /
+        bs)`: no page is ever given up); a group's fullest layer sets its count (one group per
+        layer: each layer's own)."""
+        needed = np.zeros(self.num_groups, np.int64)
+        np.maximum.at(needed, self.group_of_layer, self.layer_blocks(extra_tokens))
+        return needed
 
     def mean_layer_blocks(self) -> float:
-        """Blocks per layer, averaged over layers: what the request would hold if every layer
-        had a block table of its own."""
-        return float(self._layer_blocks(0).mean())
+        """Blocks per layer, averaged over layers: what the request holds per layer when every
+        layer has a block table of its own."""
+        return float(self.layer_blocks(0).mean())
 
-    def _layer_blocks(self, extra_tokens: int) -> np.ndarray:
+    def layer_blocks(self, extra_tokens: int = 0) -> np.ndarray:
         """Blocks each layer's head-pages fill `[L]` (every layer alike before the vote)."""
         bs = self.block_size
         if self.lengths is None:
@@ -252,16 +278,25 @@ def _rows_with_a_repeat(values: np.ndarray, valid: np.ndarray) -> np.ndarray:
     return np.flatnonzero((np.diff(ordered, axis=1) == 0).any(axis=1))
 
 
-def global_head_slots(block_row: np.ndarray, local: np.ndarray, num_heads: int, block_size: int) -> np.ndarray:
-    """Pool-wide head-slots (in the `[num_blocks * H, 1, block_size, 2D]` view) of local ones;
-    SKIP stays SKIP."""
+def _pool_blocks(block_rows: np.ndarray, local_blocks: np.ndarray) -> np.ndarray:
+    """Pool block ids of local ones: through one row `[width]`, or through each layer's row
+    `[L, width]` for local ids whose first axis is the layer's."""
+    if block_rows.ndim == 1:
+        return block_rows[local_blocks].astype(np.int64)
+    layers = np.arange(len(block_rows)).reshape((-1,) + (1,) * (local_blocks.ndim - 1))
+    return block_rows[layers, local_blocks].astype(np.int64)
+
+
+def global_head_slots(block_rows: np.ndarray, local: np.ndarray, num_heads: int, block_size: int) -> np.ndarray:
+    """Pool-wide head-slots (in the `[num_blocks * H, 1, block_size, 2D]` view) of local ones
+    (`block_rows`: one row, or each layer's for `local [L, ...]`); SKIP stays SKIP."""
     page = np.maximum(local, 0) // block_size
-    pool_page = block_row[page // num_heads].astype(np.int64) * num_heads + page % num_heads
+    pool_page = _pool_blocks(block_rows, page // num_heads) * num_heads + page % num_heads
     return np.where(local == SKIP, SKIP, pool_page * block_size + np.maximum(local, 0) % block_size)
 
 
-def global_head_pages(block_row: np.ndarray, local_pages: np.ndarray, num_heads: int) -> np.ndarray:
-    """Pool-wide head-page ids of local ones (SKIP -> 0, a page the kernel never reads past
-    the sequence's length)."""
+def global_head_pages(block_rows: np.ndarray, local_pages: np.ndarray, num_heads: int) -> np.ndarray:
+    """Pool-wide head-page ids of local ones (as `global_head_slots`; SKIP -> 0, a page the
+    kernel never reads past the sequence's length)."""
     safe = np.maximum(local_pages, 0)
-    return np.where(local_pages == SKIP, 0, block_row[safe // num_heads].astype(np.int64) * num_heads + safe % num_heads)
+    return np.where(local_pages == SKIP, 0, _pool_blocks(block_rows, safe // num_heads) * num_heads + safe % num_heads)

@@ -9,9 +9,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from vllm_kvprune import metrics, vllm_hooks
+import numpy as np
+
+from vllm_kvprune import envs, metrics, vllm_hooks
 from vllm_kvprune.config import policy_from_vllm_config
-from vllm_kvprune.engine.spec import FdcSpec, KVPruneSpec, PrunedFdcSpec
+from vllm_kvprune.engine.spec import FdcSpec, KVPruneSpec, LayerKVPruneSpec, PrunedFdcSpec
 from vllm_kvprune.vllm_hooks import CPUModelRunner, FullAttentionSpec, SlidingWindowSpec
 from vllm_kvprune.worker import tensor_parallel
 from vllm_kvprune.worker.features import LayerFeatures, UnsupportedModelError, refusal
@@ -32,8 +34,9 @@ class KVPruneRunnerMixin:
         self.kv_state = WorkerKVState(policy_from_vllm_config(vllm_config))
         self.kv_state.footprint_lookahead = int(bool(vllm_hooks.async_scheduling(vllm_config)))
         self.kv_state.reduce = vllm_hooks.tp_all_reduce
-        # The KV-cache group whose layers the policy prunes (its block table is the one planned).
-        self.policy_group: int | None = None
+        # The KV-cache groups whose layers the policy prunes, in vLLM's order: one, or one per
+        # layer (`Policy.per_layer_tables`); their block tables are the ones planned.
+        self.policy_groups: list[int] = []
 
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
@@ -73,8 +76,10 @@ class KVPruneRunnerMixin:
         """vLLM's per-layer specs, the policy's layers' replaced by the policy's: the capped
         `KVPruneSpec`, or under FDC its narrowed spec (`FdcSpec` alone, `PrunedFdcSpec` under an
         eviction policy's cap) with each layer's head size at its own packed width, so the
-        pool follows the mean width. Only full attention is the policy's; any other spec (a
-        sliding window) stays vLLM's."""
+        pool follows the mean width. A policy whose layers keep different amounts
+        (`per_layer_tables`) gives each layer a spec of its own (`LayerKVPruneSpec`: one KV-cache
+        group per layer). Only full attention is the policy's; any other spec (a sliding window)
+        stays vLLM's."""
         specs = super().get_kv_cache_spec()
         config, fdc = self.kv_state.engine_config, self.kv_state.fdc
         if not config.active:
@@ -83,7 +88,9 @@ class KVPruneRunnerMixin:
         for name, spec in specs.items():
             if type(spec) is FullAttentionSpec:
                 fields = {field.name: getattr(spec, field.name) for field in dataclasses.fields(spec)}
-                if fdc is None:
+                if self._per_layer_tables():
+                    spec = LayerKVPruneSpec(**fields, layer=len(replaced))
+                elif fdc is None:
                     spec = KVPruneSpec(**fields)
                 else:
                     size = fdc.layer_head_size(vllm_hooks.layer_index(name))
@@ -91,6 +98,12 @@ class KVPruneRunnerMixin:
                     spec = spec_cls(**{**fields, "head_size": size, "head_size_v": size})
             replaced[name] = spec
         return replaced
+
+    def _per_layer_tables(self) -> bool:
+        """One KV-cache group per layer (the policy's trait); `KVPRUNE_ONE_TABLE=1`, for the
+        benchmarks only, keeps one table for every layer, to measure what the groups cost."""
+        return self.kv_state.policy is not None and self.kv_state.policy.per_layer_tables \
+            and envs.get("ONE_TABLE") != "1"
 
     def _check_attention_features(self) -> None:
         """Refuse, in one line, a model whose attention the policy cannot honour; keep each
@@ -130,29 +143,44 @@ class KVPruneRunnerMixin:
             if not isinstance(spec, (KVPruneSpec, SlidingWindowSpec)):
                 raise UnsupportedModelError(
                     f"{name}: {type(spec).__name__} layers ({list(group.layer_names)[0]}) are not supported")
-        if len(groups) != 1:
-            names = [list(kv_cache_config.kv_cache_groups[i].layer_names)[0] for i in groups]
-            raise UnsupportedModelError(
-                f"{name}: KV-cache groups: the pruned layers fall into "
-                f"{len(groups)} groups (first layers {names}); exactly one is supported")
-        self.policy_group = groups[0]
-        group = kv_cache_config.kv_cache_groups[self.policy_group]
+        self._check_policy_groups(kv_cache_config, groups)
+        self.policy_groups = groups
+        layer_names = [layer for index in groups for layer in kv_cache_config.kv_cache_groups[index].layer_names]
         windowed = [(g, s) for g, s in zip(kv_cache_config.kv_cache_groups, specs) if isinstance(s, SlidingWindowSpec)]
         if windowed:
             logger.info("kvprune: %s prunes the %d full-attention layers; %d sliding-window layers (window %s) "
-                        "keep vLLM's own cache", name, len(group.layer_names),
+                        "keep vLLM's own cache", name, len(layer_names),
                         sum(len(g.layer_names) for g, _ in windowed), sorted({s.sliding_window for _, s in windowed}))
-        spec = specs[self.policy_group]
-        self.kv_state.bind_cache(list(group.layer_names), kv_cache_config.num_blocks, spec.block_size,
+        spec = specs[groups[0]]
+        self.kv_state.bind_cache(layer_names, kv_cache_config.num_blocks, spec.block_size,
                                  self.model_config.get_total_num_kv_heads(), spec.num_kv_heads, self.device)
-        self._bind_builders(self.policy_group)
+        for position, group in enumerate(groups):
+            self._bind_builders(group, position)
         if isinstance(self.kv_state.tables, PagedLayers):
+            # Layer i's blocks are group i's when each layer has its own (else every layer's are group 0's).
+            self.kv_state.tables.group_of_layer = np.arange(len(layer_names)) if len(groups) > 1 \
+                else np.zeros(len(layer_names), np.int64)
             self._attach_voters(self.kv_state.tables)
 
-    def _bind_builders(self, group: int) -> None:
-        """The metadata builders of the policy's KV-cache group plan with this runner's state."""
+    def _check_policy_groups(self, kv_cache_config, groups: list[int]) -> None:
+        """The pruned layers fall into one KV-cache group, or (`per_layer_tables`) one each."""
+        name, per_layer = self.kv_state.engine_config.name, self._per_layer_tables()
+        sizes = [len(kv_cache_config.kv_cache_groups[index].layer_names) for index in groups]
+        if per_layer and groups and max(sizes) == 1:
+            return
+        if not per_layer and len(groups) == 1:
+            return
+        names = [list(kv_cache_config.kv_cache_groups[i].layer_names)[0] for i in groups]
+        expected = "one per layer" if per_layer else "exactly one"
+        raise UnsupportedModelError(
+            f"{name}: KV-cache groups: the pruned layers fall into {len(groups)} groups of {sizes} layers "
+            f"(first layers {names}); {expected} is supported")
+
+    def _bind_builders(self, group: int, position: int = 0) -> None:
+        """The metadata builders of one of the policy's KV-cache groups plan with this runner's
+        state; `position`: the group's among the policy's (its row in the step's stacked tables)."""
         for builder in vllm_hooks.metadata_builders(self, group):
-            builder.bind_worker(self.kv_state)
+            builder.bind_worker(self.kv_state, position)
 
     @staticmethod
     def _check_fdc_groups(kv_cache_config) -> None:
@@ -202,10 +230,10 @@ class KVPruneRunnerMixin:
             self.kv_state.dummy_runs -= 1
 
     def _build_attention_metadata(self, num_tokens, num_reqs, max_query_len, *args, **kwargs):
-        if self.policy_group is None or self.kv_state.dummy_runs:
+        if not self.policy_groups or self.kv_state.dummy_runs:
             return super()._build_attention_metadata(num_tokens, num_reqs, max_query_len, *args, **kwargs)
         req_ids, num_computed, num_prompt, block_rows, extra_args = vllm_hooks.batch_rows(
-            self, num_reqs, self.policy_group)
+            self, num_reqs, self.policy_groups)
         self.kv_state.rows = StepRows(req_ids=req_ids, num_computed=num_computed, num_prompt=num_prompt,
                                       block_rows=block_rows, extra_args=extra_args)
         try:

@@ -47,10 +47,13 @@ class PlannedMetadataBuilder:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.narrow_heads = isinstance(kv_cache_spec, (FdcSpec, PrunedFdcSpec))
         self.kv_state = None  # the runner's WorkerKVState, once bound
+        self.table_index = 0  # the group's position among the policy's (its row of the step's tables)
 
-    def bind_worker(self, kv_state) -> None:
-        """The runner's worker state: this builder's group is the policy's."""
+    def bind_worker(self, kv_state, table_index: int = 0) -> None:
+        """The runner's worker state: this builder's group is the policy's, at `table_index`
+        among them (one group per layer: the layer's index; else 0)."""
         self.kv_state = kv_state
+        self.table_index = table_index
 
     def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False):
         worker = self.kv_state
@@ -64,10 +67,12 @@ class PlannedMetadataBuilder:
                                                  worker)
             return metadata
         query_start_loc = common_attn_metadata.query_start_loc_cpu.numpy()
+        # Planned once per step (the first of the policy's groups to be built); every group's
+        # build takes the same plan, in its own block table's slots.
         plan = self._place(worker.plan(query_start_loc[: common_attn_metadata.num_reqs + 1], self.block_size))
-        num_tokens = len(plan.slot_mapping)
+        slot_mapping = plan.group_slot_mapping(self.table_index)
         # In place: the forward context hands this very tensor to every layer's cache update.
-        common_attn_metadata.slot_mapping[:num_tokens].copy_(plan.slot_mapping, non_blocking=True)
+        common_attn_metadata.slot_mapping[:len(slot_mapping)].copy_(slot_mapping, non_blocking=True)
         physical = dataclasses.replace(common_attn_metadata, seq_lens=self._physical_seq_lens(plan),
                                        max_seq_len=int(plan.seq_lens.max()))
         metadata = self._build_physical(common_prefix_len, physical, fast_build)

@@ -57,8 +57,12 @@ class StepRows:
     req_ids: list[str]
     num_computed: np.ndarray
     num_prompt: np.ndarray
-    block_rows: np.ndarray
+    block_rows: np.ndarray  # [rows, width]; or [groups, rows, width], one KV-cache group per layer
     extra_args: list[dict | None]
+
+    def block_row(self, row: int) -> np.ndarray:
+        """Row `row`'s block-table row `[width]`, or its row of every group `[groups, width]`."""
+        return self.block_rows[..., row, :]
 
 
 class WorkerKVState:
@@ -157,18 +161,20 @@ class WorkerKVState:
             report["footprints"] = self.footprints()
         return report
 
-    def footprints(self) -> dict[str, int]:
-        """Blocks each voted request needs for its next steps (head-page policies), for the
-        scheduler: what it allocates before them. The scheduler reads this step's report before
-        it schedules the next step, or under async scheduling the step after (one more token)."""
+    def footprints(self) -> dict[str, list[int]]:
+        """Blocks each voted request needs for its next steps in each of the policy's KV-cache
+        groups (head-page policies; one group per layer), for the scheduler: what it allocates
+        before them. The scheduler reads this step's report before it schedules the next step,
+        or under async scheduling the step after (one more token)."""
         extra_tokens = 1 + self.footprint_lookahead
-        return {request_id: state.map.blocks_needed(extra_tokens) for request_id, state in self.requests.items()
+        return {request_id: state.map.blocks_needed(extra_tokens).tolist() for request_id, state in self.requests.items()
                 if state.map is not None and state.map.is_paged and state.failure is None}
 
     def settle_holes(self, report: dict) -> dict:
         """`report` (merged over tensor-parallel ranks, so every rank settles the same) with,
         for each request's first footprint after its vote, the positions of its block-table
-        row the vote gives back (`HeadPageMap.settle_holes`): the scheduler frees exactly those."""
+        rows the vote gives back, one `(start, stop)` per group (`HeadPageMap.settle_holes`):
+        the scheduler frees exactly those."""
         for request_id, footprint in (report.get("footprints") or {}).items():
             state = self.requests.get(request_id)
             if state is not None and state.map is not None and state.map.row_holes is None:
@@ -198,10 +204,10 @@ class WorkerKVState:
             builder.search_ahead(self._known_rows(rows, query_start_loc))
         live_rows = []  # each row's block-table row as its map numbers blocks
         for row in range(num_reqs):
-            request_id = rows.req_ids[row]
+            request_id, vllm_row = rows.req_ids[row], rows.block_row(row)
             row_args = dict(first_token=int(query_start_loc[row]), num_computed=int(rows.num_computed[row]),
                             num_new=int(query_start_loc[row + 1] - query_start_loc[row]),
-                            num_prompt=int(rows.num_prompt[row]), block_row=rows.block_rows[row])
+                            num_prompt=int(rows.num_prompt[row]), block_row=vllm_row)
             try:
                 state = self._state_for(request_id, row_args["num_computed"], rows.extra_args[row])
                 row_args["block_row"] = planner_cls.live_row(state.map, row_args["block_row"])
@@ -214,7 +220,7 @@ class WorkerKVState:
                 faults.fail(state, "plan", error)
             finally:
                 live_rows.append(row_args["block_row"])
-            builder.add_quarantined(state, **row_args)
+            builder.add_quarantined(state, **{**row_args, "block_row": vllm_row})
         plan = builder.finish()
         plan.worker = self
         self._planned.extend(rows.req_ids)
@@ -235,7 +241,7 @@ class WorkerKVState:
                 continue
             known.append(Row(state, int(query_start_loc[index]), int(rows.num_computed[index]),
                              int(query_start_loc[index + 1] - query_start_loc[index]), int(rows.num_prompt[index]),
-                             rows.block_rows[index]))
+                             rows.block_row(index)))
         return known
 
 
@@ -278,7 +284,7 @@ class _PlanBuilder:
         fresh = RequestKVState(state.config, state.policy, state.request_id, failure=state.failure)
         planner = self._planner_for(fresh)
         fresh.map = type(planner).new_map(self.tables)
-        planner.add(Row(fresh, first_token, 0, num_new, num_new + 1, block_row))
+        planner.add(Row(fresh, first_token, 0, num_new, num_new + 1, type(planner).live_row(fresh.map, block_row)))
 
     def _planner_for(self, state: RequestKVState) -> RowPlanner:
         planner_cls = PLANNERS[state.policy.layout]

@@ -51,6 +51,7 @@ def merged_report(report: dict) -> dict:
     if "footprints" in report:
         merged["footprints"] = {}
         for each in reports:
-            for request_id, blocks in each.get("footprints", {}).items():
-                merged["footprints"][request_id] = max(blocks, merged["footprints"].get(request_id, 0))
+            for request_id, blocks in each.get("footprints", {}).items():  # per group: the most any rank needs
+                found = merged["footprints"].get(request_id, blocks)
+                merged["footprints"][request_id] = [max(a, b) for a, b in zip(blocks, found)]
     return merged

@@ -276,9 +276,15 @@ class StepPlan:
         once per layer); what the host reads stays there. In place."""
         return self
 
+    def group_slot_mapping(self, table_index: int) -> torch.Tensor:
+        """The new tokens' slots in the block table at `table_index` among the policy's
+        KV-cache groups (one group per layer: layer `table_index`'s own)."""
+        return self.slot_mapping
+
     def prepare(self, builder: Any, metadata: Any) -> None:
-        """Once per step, after the builder made the step's metadata: what the layout's
-        attention needs beside it (per-layer block tables, the platform's schedules)."""
+        """After each of the policy's groups' builders made the step's metadata (once, or once
+        per layer with a group per layer): what the layout's attention needs beside it
+        (per-layer block tables, the platform's schedules)."""
 
     def write(self, call: LayerCall, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """The step's new tokens into the layer's cache (before attention)."""

@@ -42,6 +42,9 @@ class PagedLayers:
         self.voters: dict = {}
         self.dtype = torch.float32  # the model's
         self.gathering = True  # off while a vote runs the projection on synthetic states
+        # The KV-cache group of each layer's blocks: its own (one group per layer, the engine's
+        # way, set by the runner) or all 0 (one table for every layer).
+        self.group_of_layer = np.zeros(len(layer_names), np.int64)
 
     @property
     def num_layers(self) -> int:
@@ -64,7 +67,7 @@ class Vote:
 
     state: RequestKVState
     last_token: int  # the last prompt token's index in the batch (its query sets the budgets)
-    block_row: np.ndarray
+    block_rows: np.ndarray  # [L, width] each layer's row
     num_prompt: int
 
 
@@ -89,10 +92,15 @@ class HeadPagePlan(StepPlan):
 
     hidden_rows: list[HiddenRows] = field(default_factory=list)
     votes: list[Vote] = field(default_factory=list)
+    layer_slot_mapping: torch.Tensor | None = None  # [L, T] each layer's slots (uniform steps)
     page_slot_mapping: torch.Tensor | None = None
     page_attention: PageAttention | None = None
 
+    def group_slot_mapping(self, table_index: int) -> torch.Tensor:
+        return self.layer_slot_mapping[table_index]
+
     def to_device(self, device: torch.device | str) -> HeadPagePlan:
+        self.layer_slot_mapping = moved(self.layer_slot_mapping, device)
         self.page_slot_mapping = moved(self.page_slot_mapping, device)
         pages = self.page_attention
         if pages is not None:
@@ -102,7 +110,8 @@ class HeadPagePlan(StepPlan):
         return self
 
     def prepare(self, builder: Any, metadata: Any) -> None:
-        if self.page_attention is not None:
+        # Once a step: with one group per layer every group's builder comes here.
+        if self.page_attention is not None and not self.page_attention.schedules:
             builder.schedule_pages(self.page_attention)
 
     def write(self, call: LayerCall, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -149,14 +158,14 @@ class HeadPagePlan(StepPlan):
 
         def cast(vote: Vote) -> None:
             state, pages = vote.state, vote.state.map
-            prompt = np.arange(vote.num_prompt)
-            prompt_slots = vote.block_row[prompt // block_size].astype(np.int64) * block_size + prompt % block_size
+            prompt, block_row = np.arange(vote.num_prompt), vote.block_rows[layer]
+            prompt_slots = block_row[prompt // block_size].astype(np.int64) * block_size + prompt % block_size
             keys, _ = call.kernels.read_slots(call.layer, call.kv_cache, torch.from_numpy(prompt_slots))
             keep = voter.vote(state.config, state.policy, query[vote.last_token].float(), keys.transpose(0, 1),
                               pages.hidden_sum[layer], pages.hidden_sumsq[layer], int(pages.hidden_count[layer]))
             moved_from, moved_to = pages.apply_layer_vote(layer, keep)
-            sources.append(global_head_slots(vote.block_row, moved_from, num_heads, block_size))
-            destinations.append(global_head_slots(vote.block_row, moved_to, num_heads, block_size))
+            sources.append(global_head_slots(block_row, moved_from, num_heads, block_size))
+            destinations.append(global_head_slots(block_row, moved_to, num_heads, block_size))
             if pages.is_paged:
                 pages.hidden_sum = pages.hidden_sumsq = pages.hidden_count = None  # the prompt is done
 
@@ -187,11 +196,12 @@ class HeadPagePlanner(RowPlanner):
 
     @classmethod
     def new_map(cls, tables: PagedLayers) -> HeadPageMap:
-        return HeadPageMap(tables.num_layers, tables.num_heads, tables.block_size)
+        return HeadPageMap(tables.num_layers, tables.num_heads, tables.block_size, tables.group_of_layer)
 
     @classmethod
     def live_row(cls, request_map: HeadPageMap, block_row: np.ndarray) -> np.ndarray:
-        """vLLM's row without the blocks the vote gave back (`HeadPageMap.live_row`)."""
+        """Each layer's row `[L, width]`, without the blocks the vote gave back
+        (`HeadPageMap.live_row`): a row's `block_row` here is per layer."""
         return request_map.live_row(block_row)
 
     def add(self, row: Row) -> None:
@@ -199,10 +209,12 @@ class HeadPagePlanner(RowPlanner):
         if row.decoding():
             if not pages.is_paged:
                 raise PlanningError("kvprune: a gvote request decodes before its prompt was voted on")
-            needed = pages.blocks_needed(1)
-            if needed > len(row.block_row) or (row.block_row[:needed] == 0).any():
-                raise PlanningError(f"kvprune: a request needs {needed} blocks for its kept tokens, the "
-                                    f"scheduler gave it {int((row.block_row != 0).sum())}")
+            needed = pages.layer_blocks(1)  # [L]
+            width = row.block_row.shape[1]
+            if needed.max() > width or (row.block_row[np.arange(width) < needed[:, None]] == 0).any():
+                layer = int(np.argmax(needed - (row.block_row != 0).sum(axis=1)))
+                raise PlanningError(f"kvprune: a request needs {needed[layer]} blocks for its kept tokens in layer "
+                                    f"{layer}, the scheduler gave it {int((row.block_row[layer] != 0).sum())}")
             self.any_paged = True
             self.rows.append((row, pages.append_decode(row.num_computed)[:, None, :]))
             self.seq_lens.append(0)  # per layer and head: see finish
@@ -210,17 +222,19 @@ class HeadPagePlanner(RowPlanner):
         tokens = pages.append_uniform(row.num_new)
         self.hidden_rows.append(HiddenRows(row.state, row.first_token, row.first_token + row.num_new))
         if row.ends_prompt:
-            pages.row_seen = int(np.count_nonzero(row.block_row))  # a row is real ids, then 0-padding
+            pages.row_seen = np.count_nonzero(row.block_row, axis=1)  # a row is real ids, then 0-padding
             self.votes.append(Vote(row.state, row.first_token + row.num_new - 1, row.block_row, row.num_prompt))
         self.rows.append((row, tokens))
         self.seq_lens.append(pages.num_uniform)
 
     def finish(self) -> HeadPagePlan:
         if not self.any_paged:
-            # Every row is uniform: vLLM's own slots and attention.
-            slots = np.concatenate([self._global(row.block_row, tokens) for row, tokens in self.rows])
-            return HeadPagePlan(slot_mapping=torch.from_numpy(slots), seq_lens=self._seq_lens(),
-                                hidden_rows=self.hidden_rows, votes=self.votes)
+            # Every row is uniform: vLLM's own slots (each layer's in its own row) and attention.
+            bs = self.block_size
+            slots = torch.from_numpy(np.concatenate(
+                [row.block_row[:, tokens // bs].astype(np.int64) * bs + tokens % bs for row, tokens in self.rows], axis=1))
+            return HeadPagePlan(slot_mapping=slots[0], seq_lens=self._seq_lens(), hidden_rows=self.hidden_rows,
+                                votes=self.votes, layer_slot_mapping=slots)
         return self._finish_paged()
 
     def _finish_paged(self) -> HeadPagePlan:
@@ -253,6 +267,7 @@ class HeadPagePlanner(RowPlanner):
         page_slots = torch.from_numpy(np.ascontiguousarray(np.concatenate(slots, axis=1)))
         return HeadPagePlan(
             slot_mapping=page_slots[0, :, 0],
+            layer_slot_mapping=page_slots[:, :, 0],  # not written through (see `write`): a real slot of each row
             seq_lens=torch.from_numpy(seq_lens.max(axis=(0, 1)).astype(np.int32)),
             hidden_rows=self.hidden_rows,
             votes=self.votes,
