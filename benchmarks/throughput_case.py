@@ -113,8 +113,8 @@ class BatchStats:
     steps: int = 0
     running_sum: int = 0
     peak_running: int = 0
-    peak_blocks: int = 0
-    peak_request_blocks: int = 0  # most blocks one request held once past its prompt
+    peak_blocks: float = 0  # blocks of the whole model (a group per layer: layer pages over the layers)
+    peak_request_blocks: float = 0  # most blocks one request held once past its prompt (the same unit)
     request_blocks_sum: int = 0  # blocks held by requests past their prompt, summed over samples
     request_samples: int = 0  # (request, step) samples of those
     preemptions: int = 0

@@ -4,8 +4,10 @@ Budgeted policies are swept over budgets, budget-free `gvote` over its settings;
 one x-axis, the KV memory each request held while answering (`kv_blocks`, read from vLLM's
 block pool after every decode step), as a share of what `none` held for the same case. A
 `gvote` request holds its fullest layer's count of blocks in every layer (one block table for
-all layers); what it would hold with a block table per layer (`kv_blocks_per_layer`, the mean
-over layers, the paper's "mean KV memory") is its second x position. At each memory a `gvote`
+all layers) unless each layer has a KV-cache group of its own (issue 42: docs/PER_LAYER.md, as
+`gvote` runs now); what its kept lengths need with a block table per layer
+(`kv_blocks_per_layer`, the mean over layers, the paper's "mean KV memory") is its second x
+position, and `held / need` says how close the pool's count comes to it. At each memory a `gvote`
 setting reaches, every budgeted policy's metric is interpolated between its two budgets on
 either side (linearly in memory, never extrapolated), and the best of them is what `gvote` is
 held against.
@@ -89,9 +91,10 @@ def memory_table(task: Task, found: Sequence[Point]) -> tuple[list[str], list[li
     """Every point: its memory (blocks held while answering, and as a share of `none`'s) and
     its metric."""
     headers = ["method", "budget / setting", "cases", "KV blocks held", "% of none",
-               "% of none, a block table per layer", task.metric]
+               "% of none, a block table per layer", "held / need", task.metric]
     rows = [[p.method, p.label, str(p.cases), f"{p.blocks:.1f}", f"{100 * p.memory:.1f}%",
-             f"{100 * p.memory_per_layer:.1f}%", task.format(p.value)] for p in found]
+             f"{100 * p.memory_per_layer:.1f}%", f"{p.memory / p.memory_per_layer:.3f}",
+             task.format(p.value)] for p in found]
     return headers, rows
 
 
