@@ -152,3 +152,27 @@ from vllm_kvprune import machine
     names = sorted(name for _, name in _imported_names(ast.parse(source)))
     assert names == ["benchmarks", "benchmarks.common", "support.gpu_on_cpu", "tools", "tools.triton_targets",
                      "vllm_kvprune"]
+
+
+def test_batch_rows_stack_each_groups_rows_up_to_the_widest_real_row() -> None:
+    """One KV-cache group per layer: each group's rows, stacked `[groups, rows, width]` up to the
+    most blocks any row holds (not vLLM's full width); one group: its rows as they are."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    def table(rows: list[list[int]], width: int = 8) -> SimpleNamespace:
+        ids = np.zeros((3, width), np.int32)
+        for index, row in enumerate(rows):
+            ids[index, : len(row)] = row
+        return SimpleNamespace(block_table=SimpleNamespace(np=ids),
+                               num_blocks_per_row=np.array([len(row) for row in rows] + [0] * (3 - len(rows)), np.int32))
+
+    batch = SimpleNamespace(req_ids=["a", "b", None], num_computed_tokens_cpu=np.array([5, 9, 0]),
+                            num_prompt_tokens=np.array([5, 7, 0]),
+                            block_table=[table([[1, 2], [3]]), table([[4], [5, 6, 7]])])
+    runner = SimpleNamespace(input_batch=batch, requests={})
+    req_ids, computed, prompt, rows, extra_args = vllm_hooks.batch_rows(runner, 2, [0, 1])
+    assert req_ids == ["a", "b"] and computed.tolist() == [5, 9] and extra_args == [None, None]
+    assert rows.tolist() == [[[1, 2, 0], [3, 0, 0]], [[4, 0, 0], [5, 6, 7]]]
+    assert vllm_hooks.batch_rows(runner, 2, [1])[3].shape == (2, 8)  # one group: vLLM's rows, unsliced

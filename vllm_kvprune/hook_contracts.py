@@ -172,6 +172,8 @@ HOOKS: tuple[Hook, ...] = (
          ("self", "num_tokens")),
     Hook("read", "vllm.v1.worker.gpu_input_batch:InputBatch", "each step's rows",
          attributes=("req_ids", "num_computed_tokens_cpu", "num_prompt_tokens", "block_table")),
+    Hook("read", "vllm.v1.worker.block_table:BlockTable", "a group's rows and how many blocks each holds",
+         attributes=("block_table", "num_blocks_per_row")),
     Hook("read", "vllm.v1.core.sched.output:SchedulerOutput", "finished and preempted requests",
          attributes=("finished_req_ids", "preempted_req_ids")),
     Hook("base", f"{_CPU_ATTN}:CPUAttentionBackend", "our backend wraps it"),

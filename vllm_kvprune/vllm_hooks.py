@@ -281,9 +281,14 @@ def batch_rows(runner: Any, num_reqs: int, groups: list[int]) -> tuple[list[str]
             state = runner.requests.get(rid)
             params = state.sampling_params if state is not None else None
             extra_args.append(params.extra_args if params is not None else None)
-        tables = [batch.block_table[group].block_table.np[:num_reqs] for group in groups]
-        return (req_ids, batch.num_computed_tokens_cpu[:num_reqs], batch.num_prompt_tokens[:num_reqs],
-                tables[0] if len(tables) == 1 else np.stack(tables), extra_args)
+        tables = [batch.block_table[group] for group in groups]
+        if len(tables) == 1:
+            rows = tables[0].block_table.np[:num_reqs]
+        else:  # stacked up to the widest row's blocks, not vLLM's full width (a copy a step)
+            width = max(1, max(int(table.num_blocks_per_row[:num_reqs].max(initial=0)) for table in tables))
+            rows = np.stack([table.block_table.np[:num_reqs, :width] for table in tables])
+        return (req_ids, batch.num_computed_tokens_cpu[:num_reqs], batch.num_prompt_tokens[:num_reqs], rows,
+                extra_args)
 
     return _read("InputBatch", read)
 

@@ -38,11 +38,12 @@ class GVotePolicy(Policy):
     summary = ('GVote, budget-free: at the end of each prompt, per layer, synthetic future queries (drawn from a '
                "Gaussian fitted to the layer's hidden states, projected and rotated by the model's own weights and "
                "RoPE) vote for keys; each KV head keeps the union of its group's votes, **its own length**. The kept "
-               "tokens of each head are packed into head-pages (one KV head's block), so a request holds `ceil(max "
-               'over layers of sum_h ceil(len_h / block_size) / H)` blocks: memory follows the mean over heads, not '
-               "the longest head; the surplus goes back to the pool at once (the worker reports each request's need "
-               'on the step output). Nothing is evicted after the vote. Runs eager (`--enforce-eager` is set for '
-               'it). Method and choices: `docs/GVOTE.md`')
+               "tokens of each head are packed into head-pages (one KV head's block), and each layer has blocks of "
+               "its own (a KV-cache group per layer over the one pool), so a request holds the sum over layers of "
+               "`ceil(sum_h ceil(len_h / block_size) / H)` layer pages: memory follows the mean over heads and "
+               "layers; the surplus goes back to the pool at once (the worker reports each layer's need on the step "
+               'output). Nothing is evicted after the vote. Runs eager (`--enforce-eager` is set for it). Method and '
+               'choices: `docs/GVOTE.md`, `docs/PER_LAYER.md`')
     layout = "head_pages"
     settings = (P, SAMPLES, FUTURE, SEED)
     refused_settings = {"budget": _OWN_FOOTPRINT, "window": _OWN_FOOTPRINT,
