@@ -96,11 +96,15 @@ def child_flags(args: argparse.Namespace) -> list[str]:
 def table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     headers = ["mode", "policy", "groups", "pool blocks", "decode step (ms)", "rounds (ms)", "vs baseline",
                "schedule / step (ms)", "blocks / request", "start-up (s)", "tokens = baseline"]
+    # Runs before the gvote modes compared with `single` only (`step_vs_single`, `tokens_equal_single`).
+    def vs(row: dict[str, Any], what: str) -> Any:
+        return row.get(f"{what}_baseline", row.get(f"{what}_single"))
+
     return headers, [[row["mode"], row.get("policy", "none"), str(row["groups"]), str(row["pool_blocks"]),
                       f"{row['median_step_ms']:.1f}", " / ".join(f"{ms:.1f}" for ms in row["rounds_ms"]),
-                      f"{row['step_vs_baseline']:.3f}x ({row['baseline']})", f"{row['schedule_ms_per_step']:.2f}",
+                      f"{vs(row, 'step_vs'):.3f}x ({row.get('baseline', 'single')})", f"{row['schedule_ms_per_step']:.2f}",
                       f"{row['request_blocks']:.1f}" if row.get("request_blocks") is not None else "-",
-                      f"{row['start_s']:.1f}", "yes" if row["tokens_equal_baseline"] else "NO"] for row in rows]
+                      f"{row['start_s']:.1f}", "yes" if vs(row, "tokens_equal") else "NO"] for row in rows]
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
