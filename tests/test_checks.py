@@ -31,6 +31,26 @@ def test_planned_maps_catch_a_position_twice_and_a_shared_slot() -> None:
         checks.check_planned([("a", _state([0, 1, 2]), np.array([5])), ("b", _state([0, 1]), np.array([5]))], 4)
 
 
+def test_planned_head_page_maps_are_checked_layer_by_layer() -> None:
+    """A map whose layers' blocks are their own (gvote: a KV-cache group per layer) is checked
+    through each layer's row: its layers may not reach past their own rows, and two requests
+    may not hold one slot in the same layer."""
+    from vllm_kvprune.worker.head_page_map import HeadPageMap
+
+    def uniform(num_tokens: int) -> types.SimpleNamespace:
+        pages = HeadPageMap(num_layers=2, num_heads=2, block_size=4, group_of_layer=np.array([0, 1]))
+        pages.append_uniform(num_tokens)
+        return types.SimpleNamespace(map=pages)
+
+    rows_a, rows_b = np.array([[5, 6], [7, 8]]), np.array([[9, 0], [10, 0]])
+    checks.check_planned([("a", uniform(6), rows_a), ("b", uniform(3), rows_b)], 4)
+    with pytest.raises(InvariantError, match="request b's map reaches 2 blocks, its block-table row holds 1"):
+        checks.check_planned([("b", uniform(6), rows_b)], 4)
+    # b's layer 1 in a's layer-1 block 7 (slots 28..31).
+    with pytest.raises(InvariantError, match=r"slot 28 is held by a, b \(layer 1\)"):
+        checks.check_planned([("a", uniform(6), rows_a), ("b", uniform(3), np.array([[9, 0], [7, 0]]))], 4)
+
+
 def test_planned_maps_catch_a_write_outside_the_requests_own_blocks() -> None:
     checks.check_planned([("a", _state([0, 1, 2, 3, 4]), np.array([5, 6, 0]))], 4)  # 5 tokens, 2 blocks
     with pytest.raises(InvariantError, match="request a's map reaches 2 blocks, its block-table row holds 1"):

@@ -103,4 +103,4 @@ def check_planned(states: list[tuple[str, Any, np.ndarray]], block_size: int) ->
             key = int(unique[counts > 1][0])
             sharing = sorted({holders[i] for i in np.flatnonzero(every == key)})
             layer, slot = divmod(key, stride)
-            raise InvariantError(f"kvprune check: slot {slot} (layer {layer}) is held by {', '.join(sharing)}")
+            raise InvariantError(f"kvprune check: slot {slot} is held by {', '.join(sharing)} (layer {layer})")
