@@ -127,18 +127,11 @@ def install_layer_specs() -> None:
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
+    from vllm_kvprune.engine.spec import OwnGroupPerLayer
+
     @dataclasses.dataclass(frozen=True, kw_only=True)
-    class LayerSpec(FullAttentionSpec):
+    class LayerSpec(OwnGroupPerLayer, FullAttentionSpec):
         layer: int = 0
-
-        @classmethod
-        def merge(cls, specs: list) -> "LayerSpec":
-            # vLLM's grouping tries to merge same-type layers; a raise keeps them apart.
-            assert len({spec.layer for spec in specs}) == 1, "a layer's spec merges with its own only"
-            return specs[0]
-
-        def is_uniform_with_collection(self, specs: dict) -> bool:
-            return all(isinstance(spec, LayerSpec) and spec.layer == self.layer for spec in specs.values())
 
     KVCacheSpecRegistry._ensure_registered()
     KVCacheSpecRegistry.register(LayerSpec, FullAttentionManager, uniform_type_base_spec=LayerSpec)

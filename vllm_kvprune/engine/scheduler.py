@@ -64,9 +64,9 @@ class KVPruneSchedulerMixin:
         self.kvprune_managers = [manager for manager in managers if isinstance(manager, KVPruneManager)]
         # Per policy group: the share of the policy's layers one of its blocks holds a page of (1 with
         # one group; 1 / layers with a group per layer), so reports count blocks of all its layers.
-        sizes = [len(group.layer_names) for group, manager in zip(self.kv_cache_config.kv_cache_groups, managers)
-                 if isinstance(manager, KVPruneManager)]
-        self._policy_shares = [size / sum(sizes) for size in sizes]
+        self._policy_shares = layer_shares([group for group, manager in zip(self.kv_cache_config.kv_cache_groups,
+                                                                               managers)
+                                            if isinstance(manager, KVPruneManager)])
         for manager in self.kvprune_managers:
             manager.bind_policies(self.request_policies.get, self._prompt_tokens)
         # Blocks a request needs from vLLM's own (uncapped) groups, e.g. sliding windows.
@@ -324,17 +324,21 @@ def held_blocks(scheduler, request_id: str, managers=None) -> int:
     )
 
 
-def model_block_shares(scheduler) -> list[float]:
-    """Per KV-cache group (vLLM's order): the share of the model's attention layers one of its
-    blocks holds a page of (1 with one group for every layer; 1 / layers with a group per layer)."""
-    groups = scheduler.kv_cache_config.kv_cache_groups
+def layer_shares(groups) -> list[float]:
+    """Per KV-cache group: the share of these groups' layers one of its blocks holds a page of (1
+    with one group for every layer; 1 / layers with a group per layer)."""
     total = sum(len(group.layer_names) for group in groups)
     return [len(group.layer_names) / total for group in groups]
+
+
+def model_block_shares(scheduler) -> list[float]:
+    """`layer_shares` over every KV-cache group of the model (vLLM's order)."""
+    return layer_shares(scheduler.kv_cache_config.kv_cache_groups)
 
 
 def held_model_blocks(scheduler, request_id: str) -> float:
     """Real blocks a request holds, in blocks of the whole model (a page of every layer): with a
     KV-cache group per layer, its layer pages over the number of layers. What compares a policy
     with per-layer tables (`gvote`) with one that has one table (`none`)."""
-    return sum(share * sum(1 for block in manager.req_to_blocks.get(request_id, ()) if not block.is_null)
+    return sum(share * held_blocks(scheduler, request_id, [manager])
                for share, manager in zip(model_block_shares(scheduler), vllm_hooks.single_type_managers(scheduler)))

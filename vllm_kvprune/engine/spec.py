@@ -42,26 +42,29 @@ class KVPruneSpec(FullAttentionSpec):
         return width
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class LayerKVPruneSpec(KVPruneSpec):
-    """`KVPruneSpec` of one layer (`layer`: its index among the pruned layers) that merges with
-    no other layer's, so vLLM's hybrid grouping gives every layer a KV-cache group of its own
-    over the one pool: a block is one layer's page, each layer holds only its own blocks, and
-    a request holds the sum over layers (docs/PER_LAYER.md). Chosen by the policy's trait
-    `per_layer_tables`; registered as its own uniform base, so no two layers form one group.
-    Its own `merge` keeps the field (vLLM's would rebuild the spec from the base fields)."""
-
-    layer: int = 0
+class OwnGroupPerLayer:
+    """Mixin before a KV-cache spec with a `layer` field: it merges only with its own layer's, so
+    vLLM's hybrid grouping gives every layer a KV-cache group of its own over the one pool.
+    vLLM's grouping tries to merge same-type layers; a raise keeps two layers apart (and its
+    own `merge` would rebuild the spec from the base fields, dropping `layer`)."""
 
     @classmethod
-    def merge(cls, specs: list) -> "LayerKVPruneSpec":
-        # vLLM's grouping tries to merge same-type layers; a raise keeps two layers apart.
+    def merge(cls, specs: list):
         assert len({spec.layer for spec in specs}) == 1, "a layer's spec merges only with its own"
         return specs[0]
 
     def is_uniform_with_collection(self, kv_cache_specs: dict) -> bool:
-        return all(isinstance(spec, LayerKVPruneSpec) and spec.layer == self.layer
-                   for spec in kv_cache_specs.values())
+        return all(isinstance(spec, type(self)) and spec.layer == self.layer for spec in kv_cache_specs.values())
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayerKVPruneSpec(OwnGroupPerLayer, KVPruneSpec):
+    """`KVPruneSpec` of one layer (`layer`: its index among the pruned layers), one KV-cache group
+    per layer (`OwnGroupPerLayer`): a block is one layer's page, each layer holds only its own
+    blocks, and a request holds the sum over layers (docs/PER_LAYER.md). Chosen by the policy's
+    trait `per_layer_tables`; registered as its own uniform base, so no two layers form one group."""
+
+    layer: int = 0
 
 
 class FdcSpec(FullAttentionSpec):
