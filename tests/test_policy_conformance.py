@@ -31,6 +31,9 @@ from test_streaming_engine import all_blocks_free, assert_same_as, greedy, promp
 from vllm_kvprune.policies import REGISTRY
 
 POLICIES = [name for name in REGISTRY if name != "none"]
+# A case keyed `policy@variant` runs the contract again under engine settings that select
+# another layout of the same policy (`snapkv@pyramid`: per-layer budgets on head-pages).
+VARIANTS = [key for key in CASES if "@" in key]
 PROMPT_LENGTHS = (20, 150, 300)
 NUM_TOKENS = 100
 # The preemption workload's generations: long enough that its eight requests outgrow the pool.
@@ -43,7 +46,9 @@ STEP_TOKENS = 128
 
 
 def test_every_registered_policy_has_cases():
-    assert sorted(CASES) == sorted(POLICIES), "tests/policy_cases.yaml lists exactly the registered policies"
+    assert sorted(key for key in CASES if "@" not in key) == sorted(POLICIES), \
+        "tests/policy_cases.yaml lists exactly the registered policies"
+    assert {key.split("@")[0] for key in VARIANTS} <= set(POLICIES), "a variant is of a registered policy"
 
 
 def reference_for(model, config, override: dict | None):
@@ -58,13 +63,15 @@ def none_outputs(tiny_model) -> list:
                             use_tqdm=False)
 
 
-@pytest.fixture(scope="module", params=POLICIES)
+@pytest.fixture(scope="module", params=POLICIES + VARIANTS)
 def policy_run(request, tiny_model, fdc_files, none_outputs):
-    """(policy name, its engine, its engine config, what it serves with nothing evicted): one
-    engine per policy, on a small pool (and, first, the engine of `nothing_evicted_engine`)."""
+    """(its case's key, its engine, its engine config, what it serves with nothing evicted):
+    one engine per policy or variant, on a small pool (and, first, the engine of
+    `nothing_evicted_engine`)."""
     from vllm_kvprune.config import policy_from_vllm_config
 
-    name, case = request.param, CASES[request.param]
+    key, case = request.param, CASES[request.param]
+    name = key.split("@")[0]
     prompt_ids = [{"prompt_token_ids": p} for p in prompts(PROMPT_LENGTHS)]
     kept_all = None
     if "nothing_evicted_engine" in case:  # no per-request setting says it: an engine of its own
@@ -76,7 +83,7 @@ def policy_run(request, tiny_model, fdc_files, none_outputs):
                 max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=STEP_TOKENS, disable_log_stats=False) as llm:
         if kept_all is None:
             kept_all = llm.generate(prompt_ids, greedy(NUM_TOKENS, **case["nothing_evicted"]), use_tqdm=False)
-        yield name, llm, policy_from_vllm_config(llm.llm_engine.vllm_config), kept_all
+        yield key, llm, policy_from_vllm_config(llm.llm_engine.vllm_config), kept_all
 
 
 def test_mixed_settings_in_one_batch_each_match_the_reference(policy_run, reference_model):

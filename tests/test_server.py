@@ -77,6 +77,7 @@ def test_start_up_logs_no_unknown_environment_variable(server, server_log):
     ({"kv_sinks": 64}, "kv_sinks"),
     ({"kv_window": -1}, "kv_window"),
     ({"kv_recent": -1}, "kv_recent"),
+    ({"kv_allocation": "pyramid"}, "kv_allocation"),  # streaming has one allocation
     ({"kv_bugdet": 64}, "kv_bugdet"),
 ])
 def test_bad_override_is_400_then_good_request_is_200(server, xargs, field):

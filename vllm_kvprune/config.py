@@ -58,8 +58,10 @@ class _PolicyConfig:
 
     @property
     def policy(self) -> Policy:
-        """The registered policy this config runs."""
-        return REGISTRY[self.name]
+        """The policy object this config runs: the registered one, or the variant of it its
+        settings select (`Policy.for_config`)."""
+        policy = REGISTRY[self.name]
+        return policy.for_config(self)
 
     @property
     def active(self) -> bool:
@@ -106,12 +108,13 @@ class _PolicyConfig:
         config = check_fdc_format(self, name_of) if self.fdc is not None else self
         return self.policy.validate(config, name_of)
 
-    def check_engine(self, block_size: int, surface: Surface = DICT) -> None:
-        """Checks that need the engine's block size."""
+    def check_engine(self, block_size: int, surface: Surface = DICT, tensor_parallel_size: int = 1) -> None:
+        """Checks that need the engine's block size and tensor-parallel size."""
         if block_size % 32:
             raise KVConfigError("--block-size", f"must be a multiple of 32 on CPU, got {block_size}")
         if self.active:
             self.policy.check_engine(self, block_size, surface)
+            self.policy.check_parallel(self, tensor_parallel_size, surface)
 
     # ---- the budget's step rule (the same on scheduler, worker and reference) -------------
     @property
@@ -188,7 +191,10 @@ class _PolicyConfig:
         overrides = request_overrides(extra_args)
         if not overrides:
             return self
-        return self.with_overrides(overrides, REQUEST)
+        config = self.with_overrides(overrides, REQUEST)
+        if self.active:
+            self.policy.check_request(self, config, REQUEST.name)
+        return config
 
 
 KVPolicyConfig = dataclasses.make_dataclass(

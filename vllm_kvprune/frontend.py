@@ -38,7 +38,8 @@ class FrontEnd:
             return
         try:
             policy = self.policy.for_request(extra_args)
-            policy.check_engine(self.block_size, REQUEST)
+            policy.check_engine(self.block_size, REQUEST, self.vllm_config.parallel_config.tensor_parallel_size
+                                if self.vllm_config is not None else 1)
             usable = self.pool_blocks()
             if usable is not None:
                 admission.check_request_fits(policy, extra_args, self.block_size,

@@ -167,7 +167,8 @@ def policy_from_args(args) -> KVPolicyConfig | None:
     policy = flags_from_namespace(args).merged_with(base if base.active else None)
     if policy is None:
         return None
-    policy.check_engine(getattr(args, "block_size", None) or CPU_DEFAULT_BLOCK_SIZE, CLI)
+    policy.check_engine(getattr(args, "block_size", None) or CPU_DEFAULT_BLOCK_SIZE, CLI,
+                        getattr(args, "tensor_parallel_size", None) or 1)
     check_fdc_file(policy, getattr(args, "model", None), CLI)
     check_fdc_projections(policy)
     unsupported.check(policy.name, args)
@@ -259,7 +260,7 @@ def _adjust_vllm_config(vllm_config, policy: KVPolicyConfig) -> None:
         raise ValueError(f"kv_policy {policy.name!r} is not available on {current_platform.device_name} "
                          "(CPU, CUDA and ROCm only)")
     block_size = vllm_config.cache_config.block_size
-    policy.check_engine(block_size)
+    policy.check_engine(block_size, tensor_parallel_size=vllm_config.parallel_config.tensor_parallel_size)
     tail, step_tokens = policy.policy.prompt_tail(policy), vllm_config.scheduler_config.max_num_batched_tokens
     if tail > step_tokens:
         raise ValueError(f"kv_policy {policy.name!r} computes the last {tail} tokens of a prompt in one step, more than "

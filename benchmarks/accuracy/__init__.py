@@ -30,7 +30,7 @@ from benchmarks.accuracy.kv_retrieval import KVRetrieval
 from benchmarks.accuracy.needle import Needle
 from benchmarks.accuracy.perplexity import Perplexity
 from benchmarks.accuracy.task import Case, Task
-from benchmarks.accuracy.variants import VARIANTS
+from benchmarks.accuracy.variants import ALLOCATIONS, VARIANTS
 
 NAME = "accuracy"
 TASK_TYPES: dict[str, type[Task]] = {"perplexity": Perplexity, "needle": Needle, "kv_retrieval": KVRetrieval,
@@ -181,12 +181,20 @@ def write_reports(args: argparse.Namespace, tasks: list[Task], records: list[dic
             extra["side_by_side"] = {"headers": side_headers, "rows": side_rows}
         found = memory.points(task, mine)
         out = Path(args.out_dir) / f"accuracy_{task.name}.json"
-        if any(p.method in report.BUDGET_FREE for p in found):
-            found_by_task[task.name] = (task, found)
+        voted = any(p.method in report.BUDGET_FREE for p in found)
+        spread = [p for p in found if p.method in ALLOCATIONS]
+        if voted or spread:
             print(f"\n{task.name} at equal KV memory")
             common.print_table(*memory.memory_table(task, found))
-            common.print_table(*memory.equal_memory_table(task, found))
             memory.plot_vs_memory(task, found, out.with_name(out.stem + "_memory.png"))
+        if voted:
+            found_by_task[task.name] = (task, found)
+            common.print_table(*memory.equal_memory_table(task, found))
+        if spread:
+            allocation_headers, allocation_rows = memory.allocation_table(task, found, ALLOCATIONS)
+            print(f"\n{task.name}: budgets spread by layer or head against uniform")
+            common.print_table(allocation_headers, allocation_rows)
+            extra["allocations"] = {"headers": allocation_headers, "rows": allocation_rows}
         common.write_json(out, f"{NAME}-{task.name}", settings, mine, **extra)
         task.plot(mine, out.with_suffix(".png"))
         print(f"wrote {out} and its plots")

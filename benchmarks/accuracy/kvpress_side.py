@@ -24,6 +24,24 @@ def compression_ratio(prompt_tokens: int, kept: int) -> float:
     return 1.0 - (kept + 0.5) / prompt_tokens
 
 
+def press_ratio(spec: dict[str, Any], prompt_tokens: int, kept: int) -> float:
+    """The ratio at which `spec`'s press keeps `kept` tokens of the prompt per layer and KV head
+    on average. PyramidKVPress keeps the window beside `P (1 - ratio)` tokens per layer where its
+    pyramid forms, and falls back to `round(P (1 - ratio))` in every layer where it does not
+    (its `get_layer_budget`); the others keep `int(P (1 - ratio))`, window included."""
+    if spec["name"] != "PyramidKVPress":
+        return compression_ratio(prompt_tokens, kept)
+    window, beta = spec.get("window_size", 64), spec.get("beta", 20)
+    chosen = kept - window + 0.25  # a quarter token above: round() lands on the count, not half-even
+    least, most = chosen / beta, 2 * chosen - chosen / beta
+    if most >= prompt_tokens - window:
+        most = prompt_tokens - window
+        least = 2 * chosen - most
+    if prompt_tokens >= most >= least >= window:
+        return 1.0 - chosen / prompt_tokens
+    return 1.0 - (kept + 0.25) / prompt_tokens
+
+
 def prunes(case: Case, budget: int) -> bool:
     """Whether keeping budget - 1 tokens drops any of the case's prompt."""
     return budget - 1 < len(case.prompt_ids)
@@ -56,15 +74,22 @@ def press_specs(policies: Sequence[str], sinks: int) -> dict[str, dict[str, Any]
         settings = {"name": policy.name, "budget": 1024} if policy.budgeted else {"name": policy.name}
         if policy.reads("sinks"):
             settings["sinks"] = sinks
-        press = {"name": policy.kvpress, **policy.kvpress_settings(KVPolicyConfig.from_dict(settings))}
+        press = press_of(KVPolicyConfig.from_dict(settings))
         if variant is not None:
-            own = {key.removeprefix("kv_"): value for key, value in variant.settings.items()}
-            default, press = press, {"name": policy.kvpress,
-                                     **policy.kvpress_settings(KVPolicyConfig.from_dict({**settings, **own}))}
-            changed = ", ".join(f"{key}={value}" for key, value in press.items() if default.get(key) != value)
-            press["label"] = f"{policy.kvpress}({changed})"
+            own = {**variant.engine, **{key.removeprefix("kv_"): value for key, value in variant.settings.items()}}
+            default, press = press, press_of(KVPolicyConfig.from_dict({**settings, **own}))
+            changed = ", ".join(f"{key}={value}" for key, value in press.items()
+                                if default.get(key) != value and key not in ("name", "press"))
+            press["label"] = f"{press['name']}({changed})" if changed else press["name"]
         specs[name] = press
     return specs
+
+
+def press_of(config: Any) -> dict[str, Any]:
+    """The press spec of a config: its policy's `kvpress` trait and `kvpress_settings` (which may
+    name another press where a setting selects one: `allocation`)."""
+    policy = config.policy
+    return {"name": policy.kvpress, **policy.kvpress_settings(config)}
 
 
 def run_press(model: str, spec: dict[str, Any], work: Sequence[tuple[Task, list[Case]]],
@@ -81,7 +106,8 @@ def run_press(model: str, spec: dict[str, Any], work: Sequence[tuple[Task, list[
         job = {"model": model, "prompts": [case.prompt_ids for case, _ in runs], "max_new_tokens": max(
             (case.max_tokens for case, _ in runs), default=1), "dtype": dtype, "threads": threads,
             "stop_at_eos": True, "press": constructor,
-            "compression_ratios": [None if b is None else compression_ratio(len(c.prompt_ids), b - 1) for c, b in runs]}
+            "compression_ratios": [None if b is None else press_ratio(constructor, len(c.prompt_ids), b - 1)
+                                   for c, b in runs]}
         print(f"[{KVPRESS} {press}] {task.name}: {len(runs)} runs", flush=True)
         started = time.perf_counter()
         result = run_kvpress(job, timeout) if runs else {"results": []}
@@ -90,13 +116,20 @@ def run_press(model: str, spec: dict[str, Any], work: Sequence[tuple[Task, list[
                         "wall_seconds": time.perf_counter() - started, "versions": result.get("versions"),
                         "cases": "kvpress"})
         for (case, budget), generated in zip(runs, result["results"]):
-            if budget is not None and generated["kv_kept"] != budget - 1:
-                raise RuntimeError(f"kvpress {press} kept {generated['kv_kept']} tokens, not {budget - 1}")
+            attended = generated.get("kv_attended_per_layer") or generated["kv_kept_per_layer"]
+            kept = sum(attended) / len(attended)  # per layer and KV head, on average
+            if budget is not None and (abs(kept - (budget - 1)) > 1 if constructor["name"] == "PyramidKVPress"
+                                       else min(attended) != max(attended) or kept != budget - 1):
+                raise RuntimeError(f"kvpress {press} kept {attended} tokens per layer, not {budget - 1}")
             ids = generated["token_ids"][:case.max_tokens]
             answer = Answer(ids, tokenizer.decode(ids, skip_special_tokens=True))
             if press == "none":
                 full_cache[(task.name, case.case_id)] = answer
-            records.append({**task.record(case, KVPRESS, press, budget, answer), "kv_kept": generated["kv_kept"]})
+            stored = generated["kv_kept_per_layer"]
+            # kv_kept: what the next query attends to; kv_stored: what the cache holds (a masking
+            # press holds the whole prompt), both per layer and KV head on average.
+            records.append({**task.record(case, KVPRESS, press, budget, answer), "kv_kept": kept,
+                            "kv_stored": sum(stored) / len(stored)})
         if press != "none":  # budgets that keep the whole prompt: the full-cache answer
             for budget in task.budgets:
                 for case in cases:

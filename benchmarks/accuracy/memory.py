@@ -113,6 +113,27 @@ def equal_memory_table(task: Task, found: Sequence[Point]) -> tuple[list[str], l
     return headers, rows
 
 
+def allocation_table(task: Task, found: Sequence[Point], allocations: dict[str, str]) -> tuple[list[str], list[list[str]]]:
+    """Each point of a budget spread by layer or head (`allocations`: variant -> its policy,
+    whose `uniform` spread is the baseline) against the uniform one at the same budget and at
+    the same memory (uniform's metric interpolated between its budgets there)."""
+    curves = budgeted_curves(found)
+    headers = ["allocation", "budget", "held, % of none", task.metric, "uniform at the budget: held",
+               task.metric, "uniform at equal memory", "as good"]
+    rows = []
+    for point in (p for p in found if p.method in allocations):
+        uniform = curves.get(allocations[point.method], [])
+        same_budget = [p for p in uniform if p.budget == point.budget]
+        at_memory = interpolated(uniform, point.memory)
+        good = "-" if at_memory is None else (
+            "yes" if (point.value <= at_memory if task.lower_is_better else point.value >= at_memory) else "no")
+        rows.append([point.method, point.label, f"{100 * point.memory:.1f}%", task.format(point.value),
+                     f"{100 * same_budget[0].memory:.1f}%" if same_budget else "-",
+                     task.format(same_budget[0].value) if same_budget else "-",
+                     "outside its budgets" if at_memory is None else task.format(at_memory), good])
+    return headers, rows
+
+
 def _against_best(task: Task, curves: dict[str, list[Point]], value: float, memory: float) -> list[str]:
     """[best budgeted policy and its interpolated metric, "yes"/"no"], or dashes outside every
     policy's range of budgets."""

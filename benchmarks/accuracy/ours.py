@@ -66,13 +66,15 @@ def build_engine(model: str, policy: str, budget: int | None, sinks: int, pool_g
     `policy_config`: the whole `kv_policy` config, instead of one made from the arguments."""
     from vllm import LLM
 
+    engine_settings = VARIANTS[policy].engine if policy in VARIANTS else {}
     policy = VARIANTS[policy].policy if policy in VARIANTS else policy
     options = dict(ENGINE_OPTIONS, model=model, kv_cache_memory_bytes=int(pool_gib * 2**30),
                    logits_processors=[ForcedTokens], **overrides)
     if policy_config is not None:
         options["additional_config"] = {"kv_policy": dict(policy_config)}
     elif policy != "none":
-        options["additional_config"] = {"kv_policy": common.engine_policy(policy, budget, sinks)}
+        options["additional_config"] = {"kv_policy": {**common.engine_policy(policy, budget, sinks),
+                                                      **engine_settings}}
     return LLM(**options)
 
 

@@ -58,7 +58,10 @@ def side_by_side(task: Task, records: Sequence[dict[str, Any]], pairs: dict[str,
     groups = grouped(records)
     seconds = {(t["system"], t["method"]): t["seconds"] / max(t["runs"], 1) for t in timings
                if t["task"] == task.name and t.get("cases") == "kvpress"}
-    headers = ["budget", "ours", task.metric, "s/run", "kvpress", task.metric, "s/run", "same answer"]
+    none_blocks = {r["case_id"]: r["kv_blocks"] for r in records
+                   if (r["system"], r["method"]) == (OURS, "none") and r.get("kv_blocks")}
+    headers = ["budget", "ours", task.metric, "s/run", "memory, % of full", "kvpress", task.metric, "s/run",
+               "memory, % of full (stored)", "same answer"]
     rows = []
     for policy, press in [("none", "none"), *pairs.items()]:
         budgets = sorted({b for (s, m, b) in groups if (s, m) == (KVPRESS, press)}, key=lambda b: -1 if b is None else b)
@@ -73,9 +76,18 @@ def side_by_side(task: Task, records: Sequence[dict[str, Any]], pairs: dict[str,
             same = sum(r.get("answer", "").strip() == their_answer[r["case_id"]] for r in ours)
             rows.append([FULL_CACHE if budget is None else str(budget),
                          policy, task.format(task.aggregate(ours)), _seconds(seconds.get((OURS, policy))),
+                         _share([r.get("kv_blocks") for r in ours], [none_blocks.get(r["case_id"]) for r in ours]),
                          press, task.format(task.aggregate(theirs)), _seconds(seconds.get((KVPRESS, press))),
+                         _share([r.get("kv_stored") for r in theirs], [r.get("prompt_tokens") for r in theirs]),
                          f"{same}/{len(ours)}"])
     return headers, rows
+
+
+def _share(parts: Sequence[float | None], wholes: Sequence[float | None]) -> str:
+    """The mean of part / whole where both are known ("-" where none is): our blocks held
+    against `none`'s on the case, kvpress's prompt tokens stored against the prompt's."""
+    shares = [part / whole for part, whole in zip(parts, wholes) if part is not None and whole]
+    return f"{100 * sum(shares) / len(shares):.0f}%" if shares else "-"
 
 
 def _seconds(value: float | None) -> str:

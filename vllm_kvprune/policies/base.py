@@ -13,6 +13,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import numpy as np
 import torch
 
 from vllm_kvprune.policies.settings import BUDGET, FDC, PRUNE_INTERVAL, SINKS, WINDOW, KVConfigError, Setting, Surface
@@ -64,6 +65,15 @@ class Policy:
     eager: ClassVar[str | None] = None
     reference: ClassVar[str | None] = None
     kvpress: ClassVar[str | None] = None
+    # head_pages: whether its prompt decision reads the statistics of each layer's query-projection
+    # input over the prompt and projects synthetic states through the model (gvote's vote).
+    gathers_hidden_states: ClassVar[bool] = False
+
+    def for_config(self, config: KVPolicyConfig) -> Policy:
+        """The policy object that runs `config`: this one, or a variant of it a setting selects
+        (another layout: `snapkv` with `allocation: pyramid` keeps head-pages). The config's
+        `policy` is this."""
+        return self
 
     # ---- traits derived from the declarations ----------------------------------------------
     def reads(self, setting_name: str) -> bool:
@@ -103,6 +113,13 @@ class Policy:
     def check_engine(self, config: KVPolicyConfig, block_size: int, surface: Surface) -> None:
         """Checks that need the engine's block size."""
 
+    def check_parallel(self, config: KVPolicyConfig, tensor_parallel_size: int, surface: Surface) -> None:
+        """Checks that need the engine's tensor-parallel size."""
+
+    def check_request(self, engine: KVPolicyConfig, request: KVPolicyConfig, name_of: NameOf) -> None:
+        """A request's settings (`request`) against what the engine was started with (`engine`):
+        what a request cannot change, refused naming the setting."""
+
     def merge_overrides(self, config: KVPolicyConfig, overrides: Mapping[str, Any]) -> Mapping[str, Any]:
         """Fields to reset when `overrides` replace some of `config`'s (a pair of settings that
         derive each other); validation then derives them again."""
@@ -118,12 +135,20 @@ class Policy:
         return f"{self.name} keeps every token of a request's prompt and output, as without a policy"
 
     def kvpress_settings(self, config: KVPolicyConfig) -> dict[str, Any]:
-        """The `kvpress` press's constructor settings that match `config` (the compression ratio aside)."""
+        """The `kvpress` press's constructor settings that match `config` (the compression ratio
+        aside), and its `name` where a setting selects another press than `kvpress`."""
         return {}
 
     def check_model(self, model: Any, layer_names: list[str]) -> str | None:
         """Why the loaded model cannot run this policy beyond its attention features (one line), or None."""
         return None
+
+    def prompt_keep_mask(self, prompt: Any, config: KVPolicyConfig) -> np.ndarray:
+        """`head_pages`: the prompt tokens each KV head of one layer keeps, bool `[H, P]`, once
+        that layer has attended to the whole prompt; `prompt` is a
+        `worker/layouts/head_pages.LayerPrompt` (the layer, its prompt queries of this step, its
+        keys, and what a vote needs from the model)."""
+        raise NotImplementedError(f"policy {self.name!r} has no prompt decision on head-pages")
 
     def prompt_tail(self, config: KVPolicyConfig) -> int:
         """Tokens at the end of a prompt that must be computed in one step (its last chunk):
@@ -199,6 +224,24 @@ class HeadScorerPolicy(BudgetedPolicy):
 
     layout = "heads"
     keeps_attention_mass: ClassVar[bool] = False
+    # The variant that `allocation: pyramid / adaptive` runs (`policies/allocation.SpreadBudget`),
+    # for a scorer that reads `allocation`.
+    spread: ClassVar[Policy | None] = None
+
+    def for_config(self, config: KVPolicyConfig) -> Policy:
+        if self.spread is not None and getattr(config, "allocation", "uniform") != "uniform":
+            return self.spread
+        return self
+
+    def check_request(self, engine: KVPolicyConfig, request: KVPolicyConfig, name_of: NameOf) -> None:
+        from vllm_kvprune.policies import allocation
+
+        allocation.check_request(engine, request, name_of)
+
+    def check_parallel(self, config: KVPolicyConfig, tensor_parallel_size: int, surface: Surface) -> None:
+        from vllm_kvprune.policies import allocation
+
+        allocation.check_parallel(config, tensor_parallel_size, surface)
 
     def protected(self, config: KVPolicyConfig) -> tuple[int, int]:
         """How many of the oldest (`sinks`) and newest (`recent`) tokens no eviction takes."""

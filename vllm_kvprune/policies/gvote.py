@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from vllm_kvprune.policies.base import Policy
@@ -55,6 +56,7 @@ class GVotePolicy(Policy):
                                "which per-query-head sinks would not follow"}
     eager = "the vote reads each layer's query-projection input through a module hook, which a compiled graph would not run"
     reference = "gvote"
+    gathers_hidden_states = True
 
     def explain_capacity(self, config, block_size: int) -> str:
         return "a voted request may keep every token of its prompt and output, as without a policy"
@@ -70,6 +72,13 @@ class GVotePolicy(Policy):
             if vllm_hooks.rope_rotation(getattr(owner, "rotary_emb", None)) is None:
                 return f"gvote: attention without a plain rotary embedding ({layer_name}) is not supported"
         return None
+
+    def prompt_keep_mask(self, prompt: Any, config) -> np.ndarray:
+        """The layer's vote (`worker/voting.LayerVoter`: the model's projection and RoPE, the
+        statistics the layer gathered over the prompt, the last prompt token's query)."""
+        pages, layer = prompt.pages, prompt.layer
+        return prompt.voter.vote(config, self, prompt.queries[-1].float(), prompt.keys, pages.hidden_sum[layer],
+                                 pages.hidden_sumsq[layer], int(pages.hidden_count[layer]))
 
     @staticmethod
     def layer_generator(seed: int, layer: int) -> torch.Generator:

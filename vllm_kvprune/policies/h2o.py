@@ -8,10 +8,13 @@ heads disagree on which tokens, never on how many. Ties go against the oldest to
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import torch
+
+from vllm_kvprune.policies import allocation
 from vllm_kvprune.policies.base import BudgetedPolicy, HeadScorerPolicy, NameOf
-from vllm_kvprune.policies.settings import RECENT, KVConfigError
+from vllm_kvprune.policies.settings import ALLOCATION, RECENT, KVConfigError
 
 if TYPE_CHECKING:
     from vllm_kvprune.config import KVPolicyConfig
@@ -28,7 +31,7 @@ class H2OPolicy(HeadScorerPolicy):
                "(EQUIP per head: all heads hold the same number of tokens, so vLLM's attention reads them "
                'unchanged); mass from a C++ kernel that computes decode attention and mass in one pass, never '
                'materialising attention; lazy pruning')
-    settings = (*BudgetedPolicy.settings, RECENT)
+    settings = (*BudgetedPolicy.settings, RECENT, ALLOCATION)
     notes = {"recent": "`h2o`: newest tokens every head keeps (default `(budget - sinks) // 2`); the other "
                        "`budget - 1 - sinks - recent` kept tokens are heavy hitters"}
     fdc_refusal = "h2o's attention mass would have to come from the reduced-space kernel, which does not compute it"
@@ -43,10 +46,28 @@ class H2OPolicy(HeadScorerPolicy):
             raise KVConfigError(name_of("recent"), f"must be at most budget - 1 - sinks = "
                                                    f"{config.budget - 1 - config.sinks} (room for the new token), got "
                                                    f"{config.recent}")
+        allocation.check_settings(config, name_of)
         return config
 
     def protected(self, config: KVPolicyConfig) -> tuple[int, int]:
         return config.sinks, config.recent_size
 
 
+class SpreadH2OPolicy(allocation.SpreadBudget, H2OPolicy):
+    """`h2o` with `allocation: pyramid` or `adaptive` (`policies/allocation.SpreadBudget`): the
+    sinks and the recent window are protected, the other prompt tokens are scored by the
+    attention mass every prompt query gave them (the same mass, accumulated over the prompt's
+    chunks by the same kernel, in a table beside the cache); nothing is evicted after the
+    prompt. kvpress has no such press (AdaKVPress refuses ObservedAttentionPress)."""
+
+    kvpress = None
+
+    def protected_prompt(self, config: KVPolicyConfig) -> tuple[int, int]:
+        return config.sinks, config.recent_size
+
+    def prompt_scores(self, prompt: Any, config: KVPolicyConfig, first: int, stop: int) -> torch.Tensor:
+        return prompt.scores[:, first:stop]
+
+
 POLICY = H2OPolicy()
+H2OPolicy.spread = SpreadH2OPolicy()

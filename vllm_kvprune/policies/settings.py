@@ -133,5 +133,12 @@ PREFILL = Setting("prefill", str, "full", "full: prefill the whole prompt, then 
                   choices=("full", "streaming"))
 PREFILL_CHUNK = Setting("prefill_chunk", int, 256, "Chunk size of a streaming prefill.", minimum=1,
                         metavar="TOKENS")
+ALLOCATION = Setting(
+    "allocation", str, "uniform", "How the budget is spread over layers and KV heads: uniform (every head of every "
+    "layer keeps budget - 1 prompt tokens), pyramid (PyramidKV: more in the lower layers, the same total) or adaptive "
+    "(AdaKV: each layer's total split over its heads by one top-k of their scores, a floor per head). pyramid and "
+    "adaptive keep each head's tokens in head-pages with a KV-cache group per layer and compress the prompt only "
+    "(generated tokens are all kept, as in kvpress); a request may switch between them, not to or from uniform "
+    "(another cache layout). docs/PER_LAYER.md.", choices=("uniform", "pyramid", "adaptive"), per_request=True)
 FDC = Setting("fdc", str, None, "FDC calibration file of the model (vllm-kvprune calibrate fdc MODEL --out FILE), "
               "checked against the model at start-up: narrower KV heads.", metavar="FILE")

@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from vllm_kvprune.policies import allocation
 from vllm_kvprune.policies.base import HeadScorerPolicy, NameOf
-from vllm_kvprune.policies.settings import BUDGET, PRUNE_INTERVAL, KVConfigError, Setting
+from vllm_kvprune.policies.settings import ALLOCATION, BUDGET, PRUNE_INTERVAL, KVConfigError, Setting
 
 if TYPE_CHECKING:
     from vllm_kvprune.config import KVPolicyConfig
@@ -46,7 +47,7 @@ class SnapKVPolicy(HeadScorerPolicy):
                "queries attend to most (scores pooled over `snapkv_kernel` neighbours, averaged over the GQA group) "
                "and the window itself; the chosen tokens stay, the window and the generated tokens slide (EQUIP per "
                "head)")
-    settings = (BUDGET, PRUNE_INTERVAL, WINDOW, KERNEL)
+    settings = (BUDGET, PRUNE_INTERVAL, WINDOW, KERNEL, ALLOCATION)
     fdc_refusal = "snapkv's per-head slots and FDC's packed narrow rows are not combined"
     model_refusals = {"sinks": "its window scores are softmax probabilities without the learned sinks"}
     reference = "snapkv"
@@ -61,6 +62,7 @@ class SnapKVPolicy(HeadScorerPolicy):
         if config.snapkv_kernel % 2 == 0:
             raise KVConfigError(name_of("snapkv_kernel"), f"must be odd (pooling keeps the prompt's length), got "
                                                           f"{config.snapkv_kernel}")
+        allocation.check_settings(config, name_of)
         return config
 
     def kvpress_settings(self, config: KVPolicyConfig) -> dict:
@@ -123,4 +125,24 @@ class SnapKVPolicy(HeadScorerPolicy):
         return pooled.view(num_kv_heads, group, -1).mean(dim=1)
 
 
+class SpreadSnapKVPolicy(allocation.SpreadBudget, SnapKVPolicy):
+    """`snapkv` with `allocation: pyramid` or `adaptive` (`policies/allocation.SpreadBudget`):
+    the window is protected, the other prompt tokens are scored as `snapkv` scores them."""
+
+    def protected_prompt(self, config: KVPolicyConfig) -> tuple[int, int]:
+        return 0, config.snapkv_window
+
+    def prompt_scores(self, prompt: Any, config: KVPolicyConfig, first: int, stop: int) -> torch.Tensor:
+        window = config.snapkv_window
+        return self.window_scores(prompt.queries[-window:], prompt.keys.transpose(0, 1), prompt.scale,
+                                  prompt.softcap, config.snapkv_kernel)[:, first:stop]
+
+    def kvpress_settings(self, config: KVPolicyConfig) -> dict:
+        scorer = super().kvpress_settings(config)
+        if config.allocation == "pyramid":
+            return {"name": "PyramidKVPress", **scorer}
+        return {"name": "AdaKVPress", "press": {"name": "SnapKVPress", **scorer}}
+
+
 POLICY = SnapKVPolicy()
+SnapKVPolicy.spread = SpreadSnapKVPolicy()

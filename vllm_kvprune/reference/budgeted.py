@@ -20,7 +20,7 @@ from torch import nn
 
 from .model import ContiguousKVCache, HeadTransform, StepOutput, _decoder, compute_logits, forward_step
 
-__all__ = ["BudgetedReference", "ReferenceOutput", "lowest_scores_first"]
+__all__ = ["BudgetedReference", "PromptKeepReference", "ReferenceOutput", "lowest_scores_first"]
 
 POSITION_MODES = ("original", "cache")
 PREFILL_MODES = ("full", "streaming")
@@ -217,6 +217,54 @@ class BudgetedReference:
             result.kept_sizes.append(self.last_kept)
             logits = compute_logits(self.model, out.hidden[-1:])[0]
         return result
+
+
+class PromptKeepReference(BudgetedReference):
+    """A policy that compresses the prompt only (``gvote``; ``snapkv`` with a per-layer or
+    per-head allocation): one full step over the prompt, after which :meth:`choose_prompt`
+    gives each layer's kept prompt tokens per KV head (bool ``[kv_heads, P]``); every later
+    token is kept.  A query of KV head h attends to h's kept prompt tokens and to every token
+    after the prompt (the cache stays whole and the rest is hidden, which equals compacting it
+    per head).  ``last_kept`` after a decode step: the mean over layers and heads of the keys
+    its query attends to."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model, budget=None, positions="original", prefill="full")
+
+    def reset(self) -> None:
+        super().reset()
+        self.prompt_keep: list[torch.Tensor] | None = None  # per layer, bool [Hkv, P]
+        self.num_prompt = 0
+
+    def choose_prompt(self, out: StepOutput, capture: dict) -> list[torch.Tensor]:
+        """Each layer's kept prompt tokens, bool ``[kv_heads, P]``, from the prompt's step
+        (``out``; ``capture``: :func:`.model.forward_step`'s)."""
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def step(self, token_ids: Sequence[int]) -> StepOutput:
+        q = len(token_ids)
+        if q == 0:
+            raise ValueError("a step needs at least one token")
+        n = len(self.cache)
+        pos = torch.arange(self.next_position, self.next_position + q)
+        if n == 0:
+            capture: dict = {}
+            out = forward_step(self.model, token_ids, self.cache, pos, capture=capture,
+                               output_attentions=self.needs_attentions)
+            self.num_prompt = q
+            self.prompt_keep = self.choose_prompt(out, capture)
+            self.last_kept = q
+        else:
+            after_prompt = n + q - self.num_prompt
+            masks = [torch.cat([keep, torch.ones(keep.shape[0], after_prompt, dtype=torch.bool, device=keep.device)],
+                               dim=1) for keep in self.prompt_keep]
+            out = forward_step(self.model, token_ids, self.cache, pos, key_keep=masks)
+            self.last_kept = float(torch.stack([keep.sum(dim=1) for keep in self.prompt_keep]).float().mean()) \
+                + after_prompt
+        self.next_position += q
+        self.tokens_seen += q
+        return out
 
 
 # ---------------------------------------------------------------------------------------------

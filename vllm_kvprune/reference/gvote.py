@@ -52,13 +52,13 @@ probabilities, and the top-p rule alone would stop short of P).
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 from torch import nn
 
-from .model import StepOutput, _decoder, forward_step, rope_cos_sin, rotate
-from .budgeted import BudgetedReference
+from .model import StepOutput, _decoder, rope_cos_sin, rotate
+from .budgeted import PromptKeepReference
 
 __all__ = [
     "GVoteReference",
@@ -161,7 +161,7 @@ def future_rope(model: nn.Module, num_prompt: int, future: int, like: torch.Tens
     return cos.mean(dim=0), sin.mean(dim=0)
 
 
-class GVoteReference(BudgetedReference):
+class GVoteReference(PromptKeepReference):
     """GVote: after a full prefill, every (layer, KV head) keeps the prompt tokens voted for by
     ``samples`` synthetic future queries; decode tokens are all kept.
 
@@ -183,48 +183,25 @@ class GVoteReference(BudgetedReference):
         if not isinstance(seed, int):
             raise ValueError(f"seed must be an int, got {seed!r}")
         self.p_nuc, self.samples, self.future, self.seed = p_nuc, samples, future, seed
-        # No budget: the driver never evicts; the vote happens in step().  Full prefill and
-        # original positions (keys cached after RoPE), as the semantics require.
-        super().__init__(model, budget=None, positions="original", prefill="full")
+        # No budget: the driver never evicts; the vote happens after the prompt's step.  Full
+        # prefill and original positions (keys cached after RoPE), as the semantics require.
+        super().__init__(model)
 
     def reset(self) -> None:
         super().reset()
-        self.prompt_keep: list[torch.Tensor] | None = None  # per layer, bool [Hkv, P]
-        self.num_prompt = 0
         self.kept_positions: list[list[torch.Tensor]] = []
         self.kept_lengths = torch.zeros(0, 0, dtype=torch.long)
         self.step_budgets: list[torch.Tensor] = []
 
-    @torch.inference_mode()
-    def step(self, token_ids: Sequence[int]) -> StepOutput:
-        """The first step is the prompt (full cache, then the vote); later steps attend to the
-        kept prompt tokens of each head and to every token after the prompt."""
-        q = len(token_ids)
-        if q == 0:
-            raise ValueError("a step needs at least one token")
-        n = len(self.cache)
-        pos = torch.arange(self.next_position, self.next_position + q)
-        if n == 0:
-            capture: dict = {}
-            out = forward_step(self.model, token_ids, self.cache, pos, capture=capture)
-            self._vote(capture)
-            self.last_kept = q
-        else:
-            after_prompt = n + q - self.num_prompt
-            masks = [torch.cat([keep, torch.ones(keep.shape[0], after_prompt, dtype=torch.bool, device=keep.device)],
-                               dim=1) for keep in self.prompt_keep]
-            out = forward_step(self.model, token_ids, self.cache, pos, key_keep=masks)
-            self.last_kept = float(self.kept_lengths.float().mean()) + after_prompt
-        self.next_position += q
-        self.tokens_seen += q
-        return out
+    def choose_prompt(self, out: StepOutput, capture: dict) -> list[torch.Tensor]:
+        self._vote(capture)
+        return self.prompt_keep
 
     def _vote(self, capture: dict) -> None:
         """Run GVote on every layer of the just-prefilled prompt and record the keep sets."""
         layers = _decoder(self.model).layers
         num_prompt = self.cache.layer_len(0)
         avg_cos, avg_sin = future_rope(self.model, num_prompt, self.future, capture["q_input"][0])
-        self.num_prompt = num_prompt
         self.prompt_keep, self.step_budgets, self.kept_positions = [], [], []
         for index, layer in enumerate(layers):
             attn = layer.self_attn

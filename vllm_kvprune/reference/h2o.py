@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .allocation import SpreadReference
 from .model import StepOutput
 from .budgeted import BudgetedReference, lowest_scores_first
 
@@ -75,7 +76,26 @@ class H2OReference(BudgetedReference):
         return kept
 
 
-def from_config(model: nn.Module, config, block_size: int) -> H2OReference:
+class SpreadH2OReference(SpreadReference):
+    """H2O's mass over the prompt (every prompt query's probabilities, summed over each KV
+    head's query group), the sinks and the recent window protected, the budget spread by
+    ``allocation`` (:mod:`.allocation`); nothing is evicted after the prompt."""
+
+    def __init__(self, model: nn.Module, *, budget: int, allocation: str, recent: int, sinks: int = 0) -> None:
+        super().__init__(model, budget=budget, allocation=allocation, protected=(sinks, recent))
+
+    def prompt_scores(self, out: StepOutput, layer: int, first: int, stop: int) -> torch.Tensor:
+        probs = out.attentions[layer]  # [Hq, P, P], causal
+        kv_heads = self.cache.k[layer].shape[0]
+        num_q_heads, num_queries, num_keys = probs.shape
+        mass = probs.view(kv_heads, num_q_heads // kv_heads, num_queries, num_keys).sum(dim=(1, 2))
+        return mass[:, first:stop]
+
+
+def from_config(model: nn.Module, config, block_size: int) -> H2OReference | SpreadH2OReference:
     """The oracle of a served `h2o` config (`KVPolicyConfig`)."""
+    if config.allocation != "uniform":
+        return SpreadH2OReference(model, budget=config.budget, allocation=config.allocation,
+                                  recent=config.recent_size, sinks=config.sinks)
     return H2OReference(model, budget=config.budget, recent=config.recent_size, sinks=config.sinks,
                         prune_interval=config.prune_interval)

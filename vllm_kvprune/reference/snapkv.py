@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .allocation import SpreadReference
 from .budgeted import BudgetedReference, lowest_scores_first
 from .model import StepOutput
 
@@ -83,7 +84,26 @@ class SnapKVReference(BudgetedReference):
         return torch.stack(kept)
 
 
-def from_config(model: nn.Module, config, block_size: int) -> SnapKVReference:
+class SpreadSnapKVReference(SpreadReference):
+    """SnapKV's scores (as :class:`SnapKVReference`'s, from the prompt step's probabilities),
+    the window protected, the budget spread by ``allocation`` (:mod:`.allocation`)."""
+
+    def __init__(self, model: nn.Module, *, budget: int, allocation: str, window: int = 64, kernel: int = 5) -> None:
+        self.window, self.kernel = window, kernel
+        super().__init__(model, budget=budget, allocation=allocation, protected=(0, window))
+
+    def prompt_scores(self, out: StepOutput, layer: int, first: int, stop: int) -> torch.Tensor:
+        probs, num_prompt, window = out.attentions[layer], self.num_prompt, self.window  # [Hq, P, P]
+        kv_heads, outside = self.cache.k[layer].shape[0], num_prompt - window
+        attended = probs[:, num_prompt - window:, :outside].mean(dim=1)  # [Hq, P - w]
+        pooled = F.avg_pool1d(attended[:, None], kernel_size=self.kernel, padding=self.kernel // 2, stride=1)
+        return pooled[:, 0].view(kv_heads, -1, outside).mean(dim=1)[:, first:stop]
+
+
+def from_config(model: nn.Module, config, block_size: int) -> SnapKVReference | SpreadSnapKVReference:
     """The oracle of a served `snapkv` config (`KVPolicyConfig`)."""
+    if config.allocation != "uniform":
+        return SpreadSnapKVReference(model, budget=config.budget, allocation=config.allocation,
+                                        window=config.snapkv_window, kernel=config.snapkv_kernel)
     return SnapKVReference(model, budget=config.budget, window=config.snapkv_window, kernel=config.snapkv_kernel,
                            prune_interval=config.prune_interval)

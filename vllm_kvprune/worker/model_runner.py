@@ -160,7 +160,8 @@ class KVPruneRunnerMixin:
             # Layer i's blocks are group i's when each layer has its own (else every layer's are group 0's).
             self.kv_state.tables.group_of_layer = np.arange(len(layer_names)) if len(groups) > 1 \
                 else np.zeros(len(layer_names), np.int64)
-            self._attach_voters(self.kv_state.tables)
+            if self.kv_state.policy.gathers_hidden_states:
+                self._attach_voters(self.kv_state.tables)
 
     def _check_policy_groups(self, kv_cache_config, groups: list[int]) -> None:
         """The pruned layers fall into one KV-cache group, or (`per_layer_tables`) one each."""

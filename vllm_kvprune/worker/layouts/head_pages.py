@@ -1,11 +1,13 @@
-"""The `head_pages` layout (`gvote`): a `HeadPageMap` per request, each layer and KV head its own
-tokens and its own count, packed into head-pages (the layer cache viewed as `[num_blocks * H,
-1, block_size, 2D]`, one KV head of one block per page).
+"""The `head_pages` layout (`gvote`; `snapkv` with `allocation: pyramid / adaptive`): a
+`HeadPageMap` per request, each layer and KV head its own tokens and its own count, packed into
+head-pages (the layer cache viewed as `[num_blocks * H, 1, block_size, 2D]`, one KV head of one
+block per page).
 
-The prompt is written in vLLM's layout and attended by vLLM's kernel while a pre-hook on each
-layer's QKV projection gathers the statistics of its input (`worker/voting.py`); after each
-layer's attention on the prompt's last chunk that layer votes (`policy.keep_mask` through
-`LayerVoter.vote`) and packs each head's kept tokens into the layer's first head-pages. A
+The prompt is written in vLLM's layout and attended by vLLM's kernel (for a vote, while a
+pre-hook on each layer's QKV projection gathers the statistics of its input: `worker/voting.py`);
+after each layer's attention on the prompt's last chunk that layer decides each head's kept
+tokens (`policy.prompt_keep_mask`: gvote's vote through `LayerVoter.vote`, or a scorer's
+budgets) and packs them into the layer's first head-pages. A
 step with a voted request writes per (token, head) into head-pages and attends each
 (request, KV head) as its own sequence with vLLM's kernel (queries permuted to `[H, T, G,
 D]`; one schedule per layer, built with the step's metadata by the platform's builder). The
@@ -24,6 +26,7 @@ import torch
 
 from vllm_kvprune.worker.head_page_map import HeadPageMap, global_head_pages, global_head_slots
 from vllm_kvprune.worker.layouts.base import LayerCall, PlanningError, Row, RowPlanner, StepPlan, moved
+from vllm_kvprune.worker.layouts.heads import MassQueries, softcap
 
 if TYPE_CHECKING:
     from vllm_kvprune.worker.state import RequestKVState
@@ -45,6 +48,19 @@ class PagedLayers:
         # The KV-cache group of each layer's blocks: its own (one group per layer, the engine's
         # way, set by the runner) or all 0 (one table for every layer).
         self.group_of_layer = np.zeros(len(layer_names), np.int64)
+        self.prompt_mass: torch.Tensor | None = None  # see `mass_of_layer`
+
+    def mass_of_layer(self, layer: int, kv_cache: torch.Tensor) -> torch.Tensor:
+        """The attention mass each prompt token got so far, per local KV head and global slot of
+        layer `layer`, `[H, num_blocks * block_size]` (fp32, beside the cache; for a scorer that
+        `keeps_attention_mass`). With a KV-cache group per layer every block is one layer's at a
+        time, so one table serves every layer; with one table for all layers each has its own."""
+        if self.prompt_mass is None:
+            num_blocks, num_heads, block_size = kv_cache.shape[:3]
+            tables = 1 if len(np.unique(self.group_of_layer)) == self.num_layers else self.num_layers
+            self.prompt_mass = torch.zeros(tables, num_heads, num_blocks * block_size, dtype=torch.float32,
+                                           device=kv_cache.device)
+        return self.prompt_mass[layer if self.prompt_mass.shape[0] > 1 else 0]
 
     @property
     def num_layers(self) -> int:
@@ -63,12 +79,33 @@ class HiddenRows:
 
 @dataclass
 class Vote:
-    """A request whose prompt ends this step: each layer votes after its attention."""
+    """A request whose prompt ends this step: each layer decides its kept tokens after its
+    attention (`policy.prompt_keep_mask`: gvote's vote, a scorer's budgets)."""
 
     state: RequestKVState
-    last_token: int  # the last prompt token's index in the batch (its query sets the budgets)
+    first_token: int  # the request's first prompt token of this step, its index in the batch
+    last_token: int  # the last prompt token's index in the batch
     block_rows: np.ndarray  # [L, width] each layer's row
     num_prompt: int
+
+
+@dataclass
+class LayerPrompt:
+    """What a head-page policy reads to decide one layer's kept prompt tokens: the layer (of
+    `num_layers`), the prompt's queries of this step (post-RoPE `[q, Hq, D]`, its last chunk),
+    its keys `[H, P, D]`, the layer's scale and soft-cap, for a vote (`gathers_hidden_states`)
+    the layer's query path (`voter`) and the request's map with the prompt's statistics, and
+    for a scorer that `keeps_attention_mass` the mass every prompt query gave each token."""
+
+    layer: int
+    num_layers: int
+    queries: torch.Tensor
+    keys: torch.Tensor
+    scale: float
+    softcap: float
+    voter: Any
+    pages: HeadPageMap
+    scores: torch.Tensor | None = None  # [H, P]: the prompt's attention mass (`keeps_attention_mass`)
 
 
 @dataclass
@@ -95,6 +132,10 @@ class HeadPagePlan(StepPlan):
     layer_slot_mapping: torch.Tensor | None = None  # [L, T] each layer's slots (uniform steps)
     page_slot_mapping: torch.Tensor | None = None
     page_attention: PageAttention | None = None
+    # Prompt tokens whose attention mass is kept (a scorer that `keeps_attention_mass`): their
+    # queries and, per layer, their own slots `[L, N]` (vLLM's layout), whose mass starts at 0.
+    mass_queries: MassQueries | None = None
+    mass_slots: torch.Tensor | None = None
 
     def group_slot_mapping(self, table_index: int) -> torch.Tensor:
         return self.layer_slot_mapping[table_index]
@@ -102,6 +143,12 @@ class HeadPagePlan(StepPlan):
     def to_device(self, device: torch.device | str) -> HeadPagePlan:
         self.layer_slot_mapping = moved(self.layer_slot_mapping, device)
         self.page_slot_mapping = moved(self.page_slot_mapping, device)
+        self.mass_slots = moved(self.mass_slots, device)
+        queries = self.mass_queries
+        if queries is not None:
+            self.mass_queries = dataclasses.replace(
+                queries, tokens=moved(queries.tokens, device), rows=moved(queries.rows, device),
+                key_counts=moved(queries.key_counts, device))
         pages = self.page_attention
         if pages is not None:
             self.page_attention = dataclasses.replace(
@@ -116,7 +163,10 @@ class HeadPagePlan(StepPlan):
 
     def write(self, call: LayerCall, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Uniform steps: vLLM's own write. Paged: each new token's K/V of every head into that
-        head's own page."""
+        head's own page. A prompt token's mass starts at 0."""
+        if self.mass_slots is not None:
+            mass = call.tables.mass_of_layer(call.index, call.kv_cache)
+            mass[:, self.mass_slots[call.index]] = 0.0
         if self.page_slot_mapping is None:
             call.store(key, value, slot_mapping)
             return
@@ -145,14 +195,26 @@ class HeadPagePlan(StepPlan):
         return output
 
     def after_attention(self, call: LayerCall, query: torch.Tensor, metadata: Any) -> None:
+        if self.mass_queries is not None:
+            self._accumulate_prompt_mass(call, query, metadata)
         if self.votes:
             self._vote(call, query)
+
+    def _accumulate_prompt_mass(self, call: LayerCall, query: torch.Tensor, metadata: Any) -> None:
+        """Add the prompt queries' attention probabilities of this step to each prompt token's
+        mass, per KV head (the mass kernel `h2o` keeps on its `heads` layout, over vLLM's block
+        table: a prompt is still in vLLM's layout until it is decided on)."""
+        with call.scoring():
+            queries = self.mass_queries
+            call.kernels.attention_mass(call.layer, query[queries.tokens], call.kv_cache, metadata.block_table,
+                                        queries.rows, queries.key_counts, call.impl.scale,
+                                        call.tables.mass_of_layer(call.index, call.kv_cache), None, softcap(call.impl))
 
     def _vote(self, call: LayerCall, query: torch.Tensor) -> None:
         """After a prompt's last chunk has attended: this layer's vote, and each head's kept
         tokens packed into the layer's first head-pages (sources are read before any write)."""
-        layer = call.index
-        voter = call.tables.voters[call.layer.layer_name]
+        layer, impl = call.index, call.impl
+        voter = call.tables.voters.get(call.layer.layer_name)
         block_size, num_heads = call.kv_cache.shape[2], call.kv_cache.shape[1]
         sources, destinations = [], []
 
@@ -161,8 +223,14 @@ class HeadPagePlan(StepPlan):
             prompt, block_row = np.arange(vote.num_prompt), vote.block_rows[layer]
             prompt_slots = block_row[prompt // block_size].astype(np.int64) * block_size + prompt % block_size
             keys, _ = call.kernels.read_slots(call.layer, call.kv_cache, torch.from_numpy(prompt_slots))
-            keep = voter.vote(state.config, state.policy, query[vote.last_token].float(), keys.transpose(0, 1),
-                              pages.hidden_sum[layer], pages.hidden_sumsq[layer], int(pages.hidden_count[layer]))
+            queries = query[vote.first_token: vote.last_token + 1].reshape(vote.last_token + 1 - vote.first_token,
+                                                                           impl.num_heads, -1)
+            scores = None
+            if state.policy.keeps_attention_mass:
+                scores = call.tables.mass_of_layer(layer, call.kv_cache)[:, torch.from_numpy(prompt_slots)]
+            keep = state.policy.prompt_keep_mask(
+                LayerPrompt(layer, call.tables.num_layers, queries, keys.transpose(0, 1), impl.scale, softcap(impl),
+                            voter, pages, scores), state.config)
             moved_from, moved_to = pages.apply_layer_vote(layer, keep)
             sources.append(global_head_slots(block_row, moved_from, num_heads, block_size))
             destinations.append(global_head_slots(block_row, moved_to, num_heads, block_size))
@@ -188,6 +256,8 @@ class HeadPagePlanner(RowPlanner):
         self.hidden_rows: list[HiddenRows] = []
         self.votes: list[Vote] = []
         self.any_paged = False
+        self.mass_queries: list[np.ndarray] = []  # [q, 3]: token, row, key count
+        self.mass_slots: list[np.ndarray] = []  # [L, q]
 
     @classmethod
     def make_tables(cls, layer_names: list[str], num_blocks: int, block_size: int, total_kv_heads: int,
@@ -208,7 +278,7 @@ class HeadPagePlanner(RowPlanner):
         pages = row.state.map
         if row.decoding():
             if not pages.is_paged:
-                raise PlanningError("kvprune: a gvote request decodes before its prompt was voted on")
+                raise PlanningError("kvprune: a head-page request decodes before its prompt was decided on")
             needed = pages.layer_blocks(1)  # [L]
             width = row.block_row.shape[1]
             if needed.max() > width or (row.block_row[np.arange(width) < needed[:, None]] == 0).any():
@@ -220,10 +290,17 @@ class HeadPagePlanner(RowPlanner):
             self.seq_lens.append(0)  # per layer and head: see finish
             return
         tokens = pages.append_uniform(row.num_new)
-        self.hidden_rows.append(HiddenRows(row.state, row.first_token, row.first_token + row.num_new))
+        if row.state.policy.keeps_attention_mass:  # causal: token p attends to positions 0..p
+            self.mass_queries.append(np.stack([row.first_token + np.arange(row.num_new),
+                                               np.full(row.num_new, len(self.seq_lens)), tokens + 1], axis=1))
+            bs = self.block_size
+            self.mass_slots.append(row.block_row[:, tokens // bs].astype(np.int64) * bs + tokens % bs)
+        if row.state.policy.gathers_hidden_states:
+            self.hidden_rows.append(HiddenRows(row.state, row.first_token, row.first_token + row.num_new))
         if row.ends_prompt:
             pages.row_seen = np.count_nonzero(row.block_row, axis=1)  # a row is real ids, then 0-padding
-            self.votes.append(Vote(row.state, row.first_token + row.num_new - 1, row.block_row, row.num_prompt))
+            self.votes.append(Vote(row.state, row.first_token, row.first_token + row.num_new - 1, row.block_row,
+                                   row.num_prompt))
         self.rows.append((row, tokens))
         self.seq_lens.append(pages.num_uniform)
 
@@ -233,9 +310,16 @@ class HeadPagePlanner(RowPlanner):
             bs = self.block_size
             slots = torch.from_numpy(np.concatenate(
                 [row.block_row[:, tokens // bs].astype(np.int64) * bs + tokens % bs for row, tokens in self.rows], axis=1))
-            return HeadPagePlan(slot_mapping=slots[0], seq_lens=self._seq_lens(), hidden_rows=self.hidden_rows,
+            plan = HeadPagePlan(slot_mapping=slots[0], seq_lens=self._seq_lens(), hidden_rows=self.hidden_rows,
                                 votes=self.votes, layer_slot_mapping=slots)
-        return self._finish_paged()
+        else:
+            plan = self._finish_paged()
+        if self.mass_queries:
+            queries = torch.from_numpy(np.concatenate(self.mass_queries)).T.contiguous()
+            plan.mass_queries = MassQueries(tokens=queries[0], rows=queries[1], key_counts=queries[2],
+                                            decode_only=False)
+            plan.mass_slots = torch.from_numpy(np.ascontiguousarray(np.concatenate(self.mass_slots, axis=1)))
+        return plan
 
     def _finish_paged(self) -> HeadPagePlan:
         first = self.rows[0][0].state.map
