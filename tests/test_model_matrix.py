@@ -16,10 +16,13 @@ from vllm_kvprune.policies import REGISTRY
 
 # Every registered policy at its conformance case's settings (tests/policy_cases.yaml), but those
 # that need a calibration of each model (fdc: tests/test_fdc_engine.py serves Qwen2 and Qwen3),
-# and `streaming` with positions inside the cache.
+# `streaming` with positions inside the cache, and a spread budget of `snapkv` and of `h2o`.
 POLICIES = {name: {"name": name, **POLICY_CASES[name]["engine"]} for name in REGISTRY
             if name != "none" and not any(str(value).startswith("$") for value in POLICY_CASES[name]["engine"].values())}
 POLICIES["streaming-cache"] = {**POLICIES["streaming"], "positions": "cache"}
+# A budget spread by layer or head runs on head-pages with a KV-cache group per layer.
+POLICIES["snapkv-pyramid"] = {**POLICIES["snapkv"], "allocation": "pyramid"}
+POLICIES["h2o-adaptive"] = {**POLICIES["h2o"], "allocation": "adaptive"}
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi", "llama3", "gptj", "cohere", "mistral", "gemma2", "gemma3",
                  "bloom", "gptoss", "llama-fp8")
 # The attention feature (`worker/features.py`) of the architectures that have one a policy may refuse.
@@ -127,8 +130,17 @@ def _in_suite(architecture: str, policy: str) -> bool:
     return policy == "streaming" and (architecture, SUITE_POLICY) in REFUSED
 
 
+# A spread budget (head-pages, a group per layer) runs in the suite on one quick architecture
+# each: soft-capping (Gemma 2) under snapkv's, Qwen2's biases under h2o's mass.
+SPREAD_IN_SUITE = {"snapkv-pyramid": "gemma2", "h2o-adaptive": "qwen2"}
+
+
 def _marks(architecture: str, policy: str) -> tuple:
-    if architecture in QUICK or (architecture, policy) in REFUSED:
+    if (architecture, policy) in REFUSED:
+        return ()
+    if policy in SPREAD_IN_SUITE and architecture != SPREAD_IN_SUITE[policy]:
+        return (pytest.mark.slow, pytest.mark.heavy)
+    if architecture in QUICK:
         return ()
     return (pytest.mark.slow,) if _in_suite(architecture, policy) else (pytest.mark.slow, pytest.mark.heavy)
 

@@ -32,6 +32,9 @@ NEW_TOKENS = 60
 # `tensor_parallel` entry where the engine's would evict nothing here, and `heavy` where the
 # check repeats another's mechanism and runs only with --heavy).
 POLICIES = [name for name in REGISTRY if name != "none"]
+# The conformance suite's variants (`policy@variant`) whose engine settings TP takes (a spread
+# budget over a layer's heads, `adaptive`, is refused: test_adaptive_is_refused_with_two_ranks).
+VARIANTS = [key for key, case in POLICY_CASES.items() if "@" in key and case["engine"].get("allocation") != "adaptive"]
 # The choices every rank must make alike (not per head).
 SHARED_CHOICES = {"slots", "blocks"}
 
@@ -73,16 +76,17 @@ def _by_prompt(choices: dict) -> dict[int, tuple[str, list]]:
     return {int(request_id.split("-")[0]): choice for request_id, choice in choices.items()}
 
 
-@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.heavy) if tp_case(name)[1] else name
-                                  for name in POLICIES])
-def test_two_ranks_match_one_process(name: str, tiny_model, fdc_files, monkeypatch) -> None:
-    policy = policy_settings(name, tp_case(name)[0], fdc_files)
+@pytest.mark.parametrize("key", [pytest.param(name, marks=pytest.mark.heavy) if tp_case(name)[1] else name
+                                 for name in POLICIES + VARIANTS])
+def test_two_ranks_match_one_process(key: str, tiny_model, fdc_files, monkeypatch) -> None:
+    name = key.split("@")[0]
+    policy = policy_settings(name, tp_case(key)[0], fdc_files)
     one_tokens, (one,) = _run(tiny_model, policy, 1, monkeypatch)
     two_tokens, ranks = _run(tiny_model, policy, 2, monkeypatch)
     assert [rank["world_size"] for rank in ranks] == [2, 2]
     assert two_tokens == one_tokens
     if REGISTRY[name].layout == "full":
-        assert not one["choices"], f"{name} keeps every token: no map to record"
+        assert not one["choices"], f"{key} keeps every token: no map to record"
         return
     reference = _by_prompt(one["choices"])
     assert {0, 1} <= set(reference)
@@ -93,11 +97,20 @@ def test_two_ranks_match_one_process(name: str, tiny_model, fdc_files, monkeypat
             rank_kind, rank_kept = choices[index]
             assert rank_kind == kind
             if kind in SHARED_CHOICES:
-                assert rank_kept == kept, (name, index, rank)
+                assert rank_kept == kept, (key, index, rank)
             else:  # per layer, the rank's own KV heads: one each here (2 heads over 2 ranks)
-                assert [layer[rank:rank + 1] for layer in kept] == rank_kept, (name, index, rank)
+                assert [layer[rank:rank + 1] for layer in kept] == rank_kept, (key, index, rank)
     assert any(len(head) < total[0] for head in _per_head(reference[0])), \
-        f"{name} evicted nothing from the long prompt: the test would not see a wrong choice"
+        f"{key} evicted nothing from the long prompt: the test would not see a wrong choice"
+
+
+def test_adaptive_is_refused_with_two_ranks(tiny_model) -> None:
+    """A budget split over all of a layer's KV heads needs them in one process: refused at
+    start-up, naming the setting."""
+    with pytest.raises(ValueError, match="allocation.*tensor_parallel_size 2"):
+        with engine(tiny_model, {"name": "h2o", "budget": 96, "allocation": "adaptive"}, kv_blocks=256,
+                    tensor_parallel_size=2):
+            pass
 
 
 def _per_head(choice: tuple[str, list]) -> list[list[int]]:

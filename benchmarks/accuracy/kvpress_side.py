@@ -26,20 +26,12 @@ def compression_ratio(prompt_tokens: int, kept: int) -> float:
 
 def press_ratio(spec: dict[str, Any], prompt_tokens: int, kept: int) -> float:
     """The ratio at which `spec`'s press keeps `kept` tokens of the prompt per layer and KV head
-    on average. PyramidKVPress keeps the window beside `P (1 - ratio)` tokens per layer where its
-    pyramid forms, and falls back to `round(P (1 - ratio))` in every layer where it does not
-    (its `get_layer_budget`); the others keep `int(P (1 - ratio))`, window included."""
-    if spec["name"] != "PyramidKVPress":
-        return compression_ratio(prompt_tokens, kept)
-    window, beta = spec.get("window_size", 64), spec.get("beta", 20)
-    chosen = kept - window + 0.25  # a quarter token above: round() lands on the count, not half-even
-    least, most = chosen / beta, 2 * chosen - chosen / beta
-    if most >= prompt_tokens - window:
-        most = prompt_tokens - window
-        least = 2 * chosen - most
-    if prompt_tokens >= most >= least >= window:
-        return 1.0 - chosen / prompt_tokens
-    return 1.0 - (kept + 0.25) / prompt_tokens
+    on average, window included. Most keep `int(P (1 - ratio))`; PyramidKVPress keeps `P (1 -
+    ratio)` per layer on average, each layer's count rounded (`round`, half to even; its
+    `get_layer_budget`), so it is aimed a quarter token above, not half."""
+    if spec["name"] == "PyramidKVPress":
+        return 1.0 - (kept + 0.25) / prompt_tokens
+    return compression_ratio(prompt_tokens, kept)
 
 
 def prunes(case: Case, budget: int) -> bool:

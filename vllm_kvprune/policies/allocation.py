@@ -7,10 +7,11 @@ window and the next token). The other two keep the same total over the model:
 - `pyramid` (PyramidKV): layer `l` of `L` (0 = the lowest) chooses `C_l`, linear from
   `2C - C / beta` at the bottom to `C / beta` at the top (`beta` 20, kvpress's default), so the
   mean over layers is `C`; where the bottom's count would pass the tokens there are, it is
-  capped there and the top's raised to keep the total. kvpress (after PyramidKV's code) falls
-  back to uniform unless the top layer's count is at least the window (`C / beta >= w`, with
-  w 64: budgets of 1344 and more); ours never falls back (our choice: the schedule is formed
-  whenever the prompt is longer than the budget), so the two differ below that budget.
+  capped there and the top's raised to keep the total. Our choice: the pyramid spreads the
+  chosen tokens, and every layer keeps the protected ones beside them. kvpress (after
+  PyramidKV's code) spreads each layer's whole count, window included, `K = C + w` on average,
+  so its top layer's `K / beta` must hold the window: below `K = w * beta` (1280 with w 64) it
+  falls back to uniform. Ours forms the pyramid at any budget below the prompt.
 - `adaptive` (AdaKV): each head first keeps its best `f` tokens (the floor: kvpress's
   `alpha_safeguard` 0.2 of the head's mean share, window included, which the window covers
   first), then the layer's remaining `H * (C - f)` go to the best scores over all its heads

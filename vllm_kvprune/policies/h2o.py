@@ -4,6 +4,10 @@ Per layer and KV head (a KV head's mass sums its GQA query group), every token k
 softmax probability it received from every query so far. Each head keeps the `sinks`
 first tokens, the `recent` newest ones and, in the rest of the budget, its heavy hitters;
 heads disagree on which tokens, never on how many. Ties go against the oldest token.
+
+`allocation: pyramid / adaptive` spreads the budget over layers or over each layer's heads
+(`policies/allocation.py`): the spread variant below, on head-pages, chooses the prompt's heavy
+hitters once and keeps every generated token.
 """
 
 from __future__ import annotations

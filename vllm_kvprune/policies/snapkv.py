@@ -15,6 +15,9 @@ them evicted first, per head in place (EQUIP, the `heads` layout). A prompt shor
 the budget chooses every token outside its window. The window's queries must be computed in
 one step: the scheduler ends no prompt chunk within the window of the prompt's end
 (`prompt_tail`). Ties between scores go against the oldest token.
+
+`allocation: pyramid / adaptive` spreads the same total over layers or over each layer's heads
+(`policies/allocation.py`): the spread variant below, on head-pages, compresses the prompt only.
 """
 
 from __future__ import annotations
