@@ -131,11 +131,13 @@ def run(args: argparse.Namespace) -> int:
     press_work = [(t, [c for c in cases if len(c.prompt_ids) <= args.kvpress_max_prompt][:args.kvpress_cases])
                   for t, cases in work if t.kvpress_can_run and args.kvpress]
     gvote = ours.gvote_settings(args.gvote_p, args.gvote_samples)
+    partial = Path(args.out_dir) / "accuracy_partial.json"  # what a crash later in the run would lose
     for policy in ("none", *args.policies):
         found, timed = ours.run_policy(model, policy, work, args.sinks, args.pool_gib, press_work, gvote,
                                        dtype=args.dtype, enforce_eager=args.enforce_eager)
         records += found
         timings += timed
+        common.write_json(partial, f"{NAME}-partial", {"policies_done": policy}, records, timings=timings)
     specs = kvpress_side.press_specs(args.policies, args.sinks)
     pairs = {policy: spec.get("label", spec["name"]) for policy, spec in specs.items()}
     if reused is not None:
@@ -149,7 +151,9 @@ def run(args: argparse.Namespace) -> int:
                                                   args.kvpress_timeout, args.dtype)
             records += found
             timings += timed
+            common.write_json(partial, f"{NAME}-partial", {"presses_done": spec["name"]}, records, timings=timings)
     write_reports(args, tasks, records, timings, pairs, time.perf_counter() - started)
+    partial.unlink(missing_ok=True)
     return 0
 
 
