@@ -68,6 +68,8 @@ class Policy:
     # head_pages: whether its prompt decision reads the statistics of each layer's query-projection
     # input over the prompt and projects synthetic states through the model (gvote's vote).
     gathers_hidden_states: ClassVar[bool] = False
+    # heads, head_pages: whether the attention mass every query gives each token is kept (h2o).
+    keeps_attention_mass: ClassVar[bool] = False
 
     def for_config(self, config: KVPolicyConfig) -> Policy:
         """The policy object that runs `config`: this one, or a variant of it a setting selects
@@ -223,7 +225,6 @@ class HeadScorerPolicy(BudgetedPolicy):
     every step) and/or sets them when it prunes a prompt (`prefill_survivors`)."""
 
     layout = "heads"
-    keeps_attention_mass: ClassVar[bool] = False
     # The variant that `allocation: pyramid / adaptive` runs (`policies/allocation.SpreadBudget`),
     # for a scorer that reads `allocation`.
     spread: ClassVar[Policy | None] = None
