@@ -144,11 +144,8 @@ class HeadPagePlan(StepPlan):
         self.layer_slot_mapping = moved(self.layer_slot_mapping, device)
         self.page_slot_mapping = moved(self.page_slot_mapping, device)
         self.mass_slots = moved(self.mass_slots, device)
-        queries = self.mass_queries
-        if queries is not None:
-            self.mass_queries = dataclasses.replace(
-                queries, tokens=moved(queries.tokens, device), rows=moved(queries.rows, device),
-                key_counts=moved(queries.key_counts, device))
+        if self.mass_queries is not None:
+            self.mass_queries = self.mass_queries.to(device)
         pages = self.page_attention
         if pages is not None:
             self.page_attention = dataclasses.replace(
@@ -315,9 +312,7 @@ class HeadPagePlanner(RowPlanner):
         else:
             plan = self._finish_paged()
         if self.mass_queries:
-            queries = torch.from_numpy(np.concatenate(self.mass_queries)).T.contiguous()
-            plan.mass_queries = MassQueries(tokens=queries[0], rows=queries[1], key_counts=queries[2],
-                                            decode_only=False)
+            plan.mass_queries = MassQueries.of_rows(self.mass_queries, decode_only=False)
             plan.mass_slots = torch.from_numpy(np.ascontiguousarray(np.concatenate(self.mass_slots, axis=1)))
         return plan
 

@@ -77,6 +77,16 @@ class MassQueries:
     key_counts: torch.Tensor  # [N] physical keys it attends to (causal inside a prompt chunk)
     decode_only: bool  # every token is its row's single decode token, in batch order
 
+    @classmethod
+    def of_rows(cls, parts: list[np.ndarray], decode_only: bool) -> MassQueries:
+        """From a planner's parts, each `[q, 3]`: token, row, key count."""
+        queries = torch.from_numpy(np.concatenate(parts)).T.contiguous()
+        return cls(tokens=queries[0], rows=queries[1], key_counts=queries[2], decode_only=decode_only)
+
+    def to(self, device: torch.device | str) -> MassQueries:
+        return replace(self, tokens=moved(self.tokens, device), rows=moved(self.rows, device),
+                       key_counts=moved(self.key_counts, device))
+
 
 @dataclass
 class PromptView:
@@ -104,10 +114,8 @@ class HeadPlan(StepPlan):
     def to_device(self, device: torch.device | str) -> HeadPlan:
         self.head_slot_mapping = moved(self.head_slot_mapping, device)
         self.head_moves = None if self.head_moves is None else tuple(moved(part, device) for part in self.head_moves)
-        queries = self.mass_queries
-        if queries is not None:
-            self.mass_queries = replace(queries, tokens=moved(queries.tokens, device), rows=moved(queries.rows, device),
-                                        key_counts=moved(queries.key_counts, device))
+        if self.mass_queries is not None:
+            self.mass_queries = self.mass_queries.to(device)
         return self
 
     @property
@@ -297,11 +305,7 @@ class HeadPlanner(RowPlanner):
         if self.head_moves:
             moves = tuple(torch.from_numpy(np.ascontiguousarray(np.concatenate(part, axis=1)))
                           for part in zip(*self.head_moves))
-        mass_queries = None
-        if self.mass_queries:
-            queries = torch.from_numpy(np.concatenate(self.mass_queries)).T.contiguous()
-            mass_queries = MassQueries(tokens=queries[0], rows=queries[1], key_counts=queries[2],
-                                       decode_only=self.decode_only)
+        mass_queries = MassQueries.of_rows(self.mass_queries, self.decode_only) if self.mass_queries else None
         return HeadPlan(
             slot_mapping=head_slots[0, :, 0],
             seq_lens=self._seq_lens(),
