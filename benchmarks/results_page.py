@@ -230,6 +230,9 @@ def accuracy_section(name: str, document: dict[str, Any], path: Path, doc_dir: P
         if settings.get("reuse_kvpress"):
             parts.append("kvpress's answers and times come from the previous run on the same cases "
                          "(`--reuse-kvpress`); ours were run again.")
+    if settings.get("resumed"):
+        parts.append("Taken from the earlier run on the same cases (`--resume`): "
+                     + ", ".join(f"`{m}`" for m in settings["resumed"]) + "; the rest was run again.")
         side = report.side_by_side(task, records, settings.get("press_of_policy", {}), document.get("timings", []))
         parts += ["Ours and kvpress on the same cases:", sections.markdown_table(*side)]
     found = memory.points(task, records)

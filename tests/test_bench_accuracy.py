@@ -141,3 +141,34 @@ def test_results_page_renders_every_table(small_run, tmp_path):
     assert "| " + " | ".join(row) + " |" in page and "### gvote's sweeps over p and S" in page
     for link in [line.split("](")[1].rstrip(")") for line in page.splitlines() if line.startswith("![")]:
         assert (page_path.parent / link).resolve().is_file(), link
+
+
+@pytest.mark.slow
+def test_resume_runs_only_the_methods_missing(small_run, tmp_path):
+    """`--resume` on a copy of the small run, with one policy more: the earlier methods' records
+    are taken as they were (ours and kvpress's, marked `resumed`), the new policy and its press
+    are run, and a run whose cases differ is refused naming the setting."""
+    import shutil
+
+    out = tmp_path / "resumed"
+    shutil.copytree(small_run, out)
+    command = [sys.executable, "-m", "benchmarks", "accuracy", "--tasks", "kv_retrieval", "--policies", "streaming",
+               "h2o", "--budgets", "128", "--kv-cases", "2", "--kvpress-cases", "1", "--gvote-p", "0.95",
+               "--gvote-samples", "8", "--needle-contexts", "1024", "--needle-depths", "0", "100", "--out-dir",
+               str(out), "--tiny", "--dtype", "float32", "--enforce-eager", "--resume"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    finished = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    before, after = load(small_run, "kv_retrieval"), load(out, "kv_retrieval")
+    assert set(after["settings"]["resumed"]) == {"vllm-kvprune:none", "vllm-kvprune:streaming", "kvpress:none",
+                                                  "kvpress:StreamingLLMPress"}
+    for system, method in (("vllm-kvprune", "streaming"), ("kvpress", "StreamingLLMPress")):
+        was = [r for r in before["results"] if (r["system"], r["method"]) == (system, method)]
+        now = [{k: v for k, v in r.items() if k != "resumed"} for r in after["results"]
+               if (r["system"], r["method"]) == (system, method)]
+        assert now == was
+    ran = {(r["system"], r["method"]) for r in after["results"] if not r.get("resumed")}
+    assert ran == {("vllm-kvprune", "h2o"), ("kvpress", "ObservedAttentionPress")}
+    refused = subprocess.run([*command[:-1], "--seed", "1", "--resume"], env=env, capture_output=True, text=True,
+                             timeout=300)
+    assert refused.returncode != 0 and "--resume" in refused.stderr and "seed" in refused.stderr

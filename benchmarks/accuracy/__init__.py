@@ -9,7 +9,9 @@ equal KV memory (`memory.py`: blocks held while answering, read from vLLM's bloc
 kvpress's matching presses (each policy's `kvpress` trait: StreamingLLM, ObservedAttention,
 KNorm, SnapKV) run the prompt tasks on
 the same prompts at matched kept-token counts, in their own venv (`scripts/setup_kvpress.sh`);
-`--reuse-kvpress` takes their records from the files of an earlier run with the same cases.
+`--reuse-kvpress` takes their records from the files of an earlier run with the same cases;
+`--resume` takes every method's records found there (ours and kvpress's, method by method) and
+runs only the methods missing, so a run can be extended by a policy or a press.
 
 Each task prints its tables and writes `accuracy_<task>.json` and its plots to `--out-dir`.
 """
@@ -29,7 +31,8 @@ from benchmarks.accuracy.arithmetic import Arithmetic
 from benchmarks.accuracy.kv_retrieval import KVRetrieval
 from benchmarks.accuracy.needle import Needle
 from benchmarks.accuracy.perplexity import Perplexity
-from benchmarks.accuracy.task import Case, Task
+from benchmarks.accuracy.report import KVPRESS, OURS
+from benchmarks.accuracy.task import Answer, Case, Task
 from benchmarks.accuracy.variants import ALLOCATIONS, VARIANTS
 
 NAME = "accuracy"
@@ -43,6 +46,8 @@ CHOICES = (*POLICIES, *VARIANTS)  # ablations, on request
 # kvpress records are reused only where all of these match.
 KVPRESS_REUSE_KEYS = ("tiny", "seed", "sinks", "dtype", "ppl_segments", "ppl_tokens", "needle_contexts", "needle_depths",
                       "kv_cases", "arith_cases", "kvpress_max_prompt", "kvpress_cases")
+# `--resume` also reuses our records: gvote's settings decide its runs.
+RESUME_KEYS = (*KVPRESS_REUSE_KEYS, "gvote_p", "gvote_samples")
 
 
 def build_tasks(args: argparse.Namespace) -> list[Task]:
@@ -91,6 +96,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--reuse-kvpress", action="store_true",
                         help="take kvpress's records from --out-dir's files of an earlier run with the same cases "
                              "instead of running kvpress again")
+    parser.add_argument("--resume", action="store_true",
+                        help="take every method's records (ours and kvpress's) from --out-dir's files of an earlier "
+                             "run with the same cases, where they cover this run's cases and budgets; run only the "
+                             "methods missing there")
     parser.add_argument("--kvpress-max-prompt", type=int, default=2200,
                         help="longest prompt kvpress runs (its ObservedAttention needs eager attention, "
                              "about 45 s for a 4K prompt here)")
@@ -112,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
         os.environ.setdefault(name, value)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engines in this process, one at a time
     reused = load_kvpress_records(args) if args.kvpress and args.reuse_kvpress else None
+    earlier = Earlier(args) if args.resume else None
     if args.kvpress and reused is None:
         from benchmarks.kvpress_runner import kvpress_python
 
@@ -133,6 +143,12 @@ def run(args: argparse.Namespace) -> int:
     gvote = ours.gvote_settings(args.gvote_p, args.gvote_samples)
     partial = Path(args.out_dir) / "accuracy_partial.json"  # what a crash later in the run would lose
     for policy in ("none", *args.policies):
+        found = earlier and earlier.take(OURS, policy, [(t, [(r.case, r.budget) for r in ours.policy_runs(
+            policy, t, cases, gvote)]) for t, cases in work])
+        if found:
+            records += found[0]
+            timings += found[1]
+            continue
         found, timed = ours.run_policy(model, policy, work, args.sinks, args.pool_gib, press_work, gvote,
                                        dtype=args.dtype, enforce_eager=args.enforce_eager)
         records += found
@@ -147,6 +163,15 @@ def run(args: argparse.Namespace) -> int:
     elif args.kvpress:
         full_cache: dict = {}
         for spec in ({"name": "none"}, *specs.values()):
+            press = spec.get("label", spec["name"])
+            found = earlier and earlier.take(KVPRESS, press, [(t, kvpress_side.matched_runs(
+                cases, None if press == "none" else t.budgets)) for t, cases in press_work])
+            if found:
+                records += found[0]
+                timings += found[1]
+                if press == "none":  # what budgets that keep the whole prompt answer
+                    full_cache.update({(r["task"], r["case_id"]): Answer([], r["answer"]) for r in found[0]})
+                continue
             found, timed = kvpress_side.run_press(model, spec, press_work, tokenizer, args.kvpress_threads, full_cache,
                                                   args.kvpress_timeout, args.dtype)
             records += found
@@ -166,7 +191,9 @@ def write_reports(args: argparse.Namespace, tasks: list[Task], records: list[dic
     settings = {key: getattr(args, key) for key in (
         "tasks", "policies", "budgets", "sinks", "seed", "ppl_segments", "ppl_tokens", "needle_contexts",
         "needle_depths", "needle_budgets", "kv_cases", "arith_cases", "kvpress", "kvpress_max_prompt", "kvpress_cases",
-        "kvpress_threads", "dtype", "gvote_p", "gvote_samples", "reuse_kvpress")}
+        "kvpress_threads", "dtype", "gvote_p", "gvote_samples", "reuse_kvpress", "resume", "tiny")}
+    if args.resume:  # which methods came from the earlier run, for the results page
+        settings["resumed"] = sorted({f"{r['system']}:{r['method']}" for r in records if r.get("resumed")})
     settings.update(model="tiny" if args.tiny else "SmolLM2-135M-Instruct", engine=dict(ENGINE_OPTIONS, dtype=args.dtype,
                                                                 enforce_eager=args.enforce_eager), run_s=run_seconds,
                     press_of_policy=pairs)
@@ -208,24 +235,51 @@ def write_reports(args: argparse.Namespace, tasks: list[Task], records: list[dic
         memory.plot_sweeps(found_by_task, Path(args.out_dir) / "accuracy_gvote_sweeps.png")
 
 
+def earlier_document(args: argparse.Namespace, task: str, flag: str, keys: tuple[str, ...]) -> dict[str, Any]:
+    """`--out-dir`'s file of `task` from an earlier run whose `keys` settings are this run's; an
+    error naming `flag` and the first setting that differs otherwise."""
+    path = Path(args.out_dir) / f"accuracy_{task}.json"
+    if not path.is_file():
+        raise SystemExit(f"{flag}: {path} does not exist (run once without {flag})")
+    document = json.loads(path.read_text())
+    earlier = document.get("settings", {})
+    earlier.setdefault("tiny", earlier.get("model") == "tiny")  # files from before `tiny` was saved
+    for key in keys:
+        if earlier.get(key) != getattr(args, key):
+            raise SystemExit(f"{flag}: {path} was run with {key}={earlier.get(key)!r}, this run has {getattr(args, key)!r}")
+    return document
+
+
+class Earlier:
+    """`--resume`: an earlier run's records, handed out method by method where they cover what
+    this run would run (every (case, budget) pair of every task), each marked `resumed`."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.documents = {name: earlier_document(args, name, "--resume", RESUME_KEYS) for name in args.tasks}
+
+    def take(self, system: str, method: str, runs: list[tuple[Task, list[tuple[Case, int | None]]]],
+             ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]] | None:
+        records, timings = [], []
+        for task, pairs in runs:
+            document = self.documents[task.name]
+            mine = [r for r in document["results"] if r["system"] == system and r["method"] == method]
+            if not {(case.case_id, budget) for case, budget in pairs} <= {(r["case_id"], r["budget"]) for r in mine}:
+                return None
+            budgets = {None, *task.budgets}
+            records += [{**r, "resumed": True} for r in mine if r["budget"] in budgets]
+            timings += [t for t in document.get("timings", []) if t["system"] == system and t["method"] == method]
+        print(f"[{system} {method}] records of the earlier run (--resume)", flush=True)
+        return records, timings
+
+
 def load_kvpress_records(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """kvpress's records and timings from `--out-dir`'s files of an earlier run whose cases and
     kvpress settings are this run's; an error naming the first that differs otherwise."""
-    from benchmarks.accuracy.report import KVPRESS
-
     records, timings = [], []
     for name in args.tasks:
-        path = Path(args.out_dir) / f"accuracy_{name}.json"
         if not TASK_TYPES[name].kvpress_can_run:
             continue
-        if not path.is_file():
-            raise SystemExit(f"--reuse-kvpress: {path} does not exist (run once without --reuse-kvpress)")
-        document = json.loads(path.read_text())
-        earlier = document.get("settings", {})
-        for key in KVPRESS_REUSE_KEYS:
-            if earlier.get(key) != getattr(args, key):
-                raise SystemExit(f"--reuse-kvpress: {path} was run with {key}={earlier.get(key)!r}, "
-                                 f"this run has {getattr(args, key)!r}")
+        document = earlier_document(args, name, "--reuse-kvpress", KVPRESS_REUSE_KEYS)
         budgets = {None, *(args.needle_budgets if name == "needle" else args.budgets)}
         records += [r for r in document["results"] if r["system"] == KVPRESS and r["budget"] in budgets]
         timings += [t for t in document.get("timings", []) if t["system"] == KVPRESS]
