@@ -167,11 +167,12 @@ def render(results_dir: Path, page_path: Path) -> str:
                 documents.append((path.name, sections.load(path)))
                 parts.append(section(path, page_path.parent))
 
-    layer_groups_run = results_dir / "layer_groups.json"
-    if layer_groups_run.is_file():
-        documents.append((layer_groups_run.name, sections.load(layer_groups_run)))
-        parts += ["## Per-layer allocation: one KV-cache group per layer", layer_groups.section(layer_groups_run,
-                                                                                              page_path.parent)]
+    layer_groups_runs = sorted(results_dir.glob("layer_groups*.json"))  # nothing pruned; gvote's two modes
+    if layer_groups_runs:
+        parts.append("## Per-layer allocation: one KV-cache group per layer")
+        for path in layer_groups_runs:
+            documents.append((path.name, sections.load(path)))
+            parts.append(layer_groups.section(path, page_path.parent))
 
     ray_batch = results_dir / "ray_batch.json"
     if ray_batch.is_file():
@@ -244,7 +245,7 @@ def accuracy_section(name: str, document: dict[str, Any], path: Path, doc_dir: P
     if any(p.method in ALLOCATIONS for p in found):
         parts += ["Each spread against the uniform budget (its policy's), at the same budget and at equal memory:",
                   sections.markdown_table(*memory.allocation_table(task, found, ALLOCATIONS))]
-    for suffix in ("", "_memory", "_heatmap"):
+    for suffix in ("", "_memory", "_kvpress_memory", "_heatmap"):
         png = path.with_name(path.stem + suffix + ".png")
         link = sections.plot_link(png.with_suffix(".json"), doc_dir)
         if link:

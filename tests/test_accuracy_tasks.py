@@ -96,8 +96,11 @@ def test_side_by_side_compares_the_same_cases():
     task = KVRetrieval()
 
     def records(system, method, budget, hits):
+        # memory: ours holds 10 blocks under none and 4 at budget 128; kvpress stores 32 of 100 prompt tokens
+        memory = ({"kv_blocks": 10 if budget is None else 4} if system == report.OURS
+                  else {"prompt_tokens": 100, **({} if budget is None else {"kv_stored": 32})})
         return [{"task": task.name, "case_id": f"kv{i}", "system": system, "method": method, "budget": budget,
-                 "hit": hit, "answer": f" {i}{hit}"} for i, hit in enumerate(hits)]
+                 "hit": hit, "answer": f" {i}{hit}", **memory} for i, hit in enumerate(hits)]
 
     mine = (records(report.OURS, "none", None, [1, 1, 0, 1]) + records(report.OURS, "streaming", 128, [1, 0, 0, 0])
             + records(report.KVPRESS, "none", None, [1, 1]) + records(report.KVPRESS, "StreamingLLMPress", 128, [0, 1]))
@@ -110,7 +113,7 @@ def test_side_by_side_compares_the_same_cases():
     headers, rows = report.side_by_side(task, mine, {"streaming": "StreamingLLMPress"}, timings)
     by_budget = {row[0]: dict(zip(headers, row)) for row in rows}
     # on kv0 and kv1 one side hit and the other missed: no answer is the same
-    assert rows[1] == ["128", "streaming", "50%", "1.00", "StreamingLLMPress", "50%", "1.50", "0/2"]
+    assert rows[1] == ["128", "streaming", "50%", "1.00", "40%", "StreamingLLMPress", "50%", "1.50", "32%", "0/2"]
     assert by_budget[report.FULL_CACHE]["same answer"] == "2/2" and rows[0][2] == "100%"
     headers, rows = report.budget_table(task, mine, [128])
     assert rows[0] == [report.OURS, "none", "4", "75%", "-"] and rows[1] == [report.OURS, "streaming", "4", "-", "25%"]

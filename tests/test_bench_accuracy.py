@@ -53,6 +53,7 @@ def test_every_method_answers_every_case(small_run):
             if record["system"] == "kvpress" and record["budget"] is not None and "kv_kept" in record:
                 assert record["kv_kept"] == record["budget"] - 1
         assert document["side_by_side"]["rows"] and (small_run / f"accuracy_{task}.png").stat().st_size > 0
+        assert (small_run / f"accuracy_{task}_kvpress_memory.png").stat().st_size > 0
     assert (small_run / "accuracy_needle_heatmap.png").stat().st_size > 0
 
 

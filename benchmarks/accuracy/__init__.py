@@ -210,6 +210,8 @@ def write_reports(args: argparse.Namespace, tasks: list[Task], records: list[dic
             print(f"\n{task.name}: ours and kvpress on the same cases")
             common.print_table(side_headers, side_rows)
             extra["side_by_side"] = {"headers": side_headers, "rows": side_rows}
+            report.plot_side_by_side(task, report.side_by_side_points(task, mine, pairs, timings),
+                                     Path(args.out_dir) / f"accuracy_{task.name}_kvpress_memory.png")
         found = memory.points(task, mine)
         out = Path(args.out_dir) / f"accuracy_{task.name}.json"
         voted = any(p.method in report.BUDGET_FREE for p in found)

@@ -9,6 +9,7 @@ and a budget-free policy's settings (`gvote_p`, `gvote_samples`).
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -50,19 +51,35 @@ def budget_table(task: Task, records: Sequence[dict[str, Any]],
     return headers, rows
 
 
-def side_by_side(task: Task, records: Sequence[dict[str, Any]], pairs: dict[str, str],
-                 timings: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
-    """Our policy next to its kvpress press on exactly the cases both ran at each budget, with
-    each side's wall time per run (prompt and answer) over kvpress's runs of this task, and in
-    how many of those cases both gave the same answer text."""
+@dataclass
+class PairPoint:
+    """Our policy and its kvpress press at one budget (None: full cache), on exactly the cases
+    both ran: each side's metric, memory (ours: blocks held, share of `none`'s on the case;
+    kvpress: prompt tokens its cache stores, share of the prompt) and wall time per run."""
+
+    budget: int | None
+    policy: str
+    press: str
+    ours: float
+    ours_memory: float | None
+    ours_seconds: float | None
+    theirs: float
+    their_memory: float | None
+    their_seconds: float | None
+    same_answers: int
+    cases: int
+
+
+def side_by_side_points(task: Task, records: Sequence[dict[str, Any]], pairs: dict[str, str],
+                        timings: Sequence[dict[str, Any]]) -> list[PairPoint]:
+    """Every (policy, press, budget) both sides ran, on their shared cases, with each side's
+    wall time per run over kvpress's runs of this task (prompt and answer)."""
     groups = grouped(records)
     seconds = {(t["system"], t["method"]): t["seconds"] / max(t["runs"], 1) for t in timings
                if t["task"] == task.name and t.get("cases") == "kvpress"}
     none_blocks = {r["case_id"]: r["kv_blocks"] for r in records
                    if (r["system"], r["method"]) == (OURS, "none") and r.get("kv_blocks")}
-    headers = ["budget", "ours", task.metric, "s/run", "memory, % of full", "kvpress", task.metric, "s/run",
-               "memory, % of full (stored)", "same answer"]
-    rows = []
+    found = []
     for policy, press in [("none", "none"), *pairs.items()]:
         budgets = sorted({b for (s, m, b) in groups if (s, m) == (KVPRESS, press)}, key=lambda b: -1 if b is None else b)
         for budget in budgets:
@@ -73,21 +90,68 @@ def side_by_side(task: Task, records: Sequence[dict[str, Any]], pairs: dict[str,
                 continue
             theirs = [r for r in theirs if r["case_id"] in {r["case_id"] for r in ours}]
             their_answer = {r["case_id"]: r.get("answer", "").strip() for r in theirs}
-            same = sum(r.get("answer", "").strip() == their_answer[r["case_id"]] for r in ours)
-            rows.append([FULL_CACHE if budget is None else str(budget),
-                         policy, task.format(task.aggregate(ours)), _seconds(seconds.get((OURS, policy))),
-                         _share([r.get("kv_blocks") for r in ours], [none_blocks.get(r["case_id"]) for r in ours]),
-                         press, task.format(task.aggregate(theirs)), _seconds(seconds.get((KVPRESS, press))),
-                         _share([r.get("kv_stored") for r in theirs], [r.get("prompt_tokens") for r in theirs]),
-                         f"{same}/{len(ours)}"])
+            found.append(PairPoint(
+                budget, policy, press, task.aggregate(ours),
+                _mean_share([r.get("kv_blocks") for r in ours], [none_blocks.get(r["case_id"]) for r in ours]),
+                seconds.get((OURS, policy)), task.aggregate(theirs),
+                _mean_share([r.get("kv_stored") for r in theirs], [r.get("prompt_tokens") for r in theirs]),
+                seconds.get((KVPRESS, press)),
+                sum(r.get("answer", "").strip() == their_answer[r["case_id"]] for r in ours), len(ours)))
+    return found
+
+
+def side_by_side(task: Task, records: Sequence[dict[str, Any]], pairs: dict[str, str],
+                 timings: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """Our policy next to its kvpress press on exactly the cases both ran at each budget
+    (`side_by_side_points`), and in how many of those cases both gave the same answer text."""
+    headers = ["budget", "ours", task.metric, "s/run", "memory, % of full", "kvpress", task.metric, "s/run",
+               "memory, % of full (stored)", "same answer"]
+    rows = [[FULL_CACHE if p.budget is None else str(p.budget), p.policy, task.format(p.ours),
+             _seconds(p.ours_seconds), _percent(p.ours_memory), p.press, task.format(p.theirs),
+             _seconds(p.their_seconds), _percent(p.their_memory), f"{p.same_answers}/{p.cases}"]
+            for p in side_by_side_points(task, records, pairs, timings)]
     return headers, rows
 
 
-def _share(parts: Sequence[float | None], wholes: Sequence[float | None]) -> str:
-    """The mean of part / whole where both are known ("-" where none is): our blocks held
+def plot_side_by_side(task: Task, found: Sequence[PairPoint], path: Path) -> None:
+    """The metric against the memory each side really holds, on the cases kvpress ran: our
+    policy (solid, blocks held) and its press (dashed, prompt tokens stored: a masking press
+    stores the whole prompt), one colour per pair; the full cache as a line."""
+    figure, axes = common.new_figure(6.5, 4.0)
+    for index, (policy, press) in enumerate(dict.fromkeys((p.policy, p.press) for p in found if p.budget is not None)):
+        curve = [p for p in found if (p.policy, p.press) == (policy, press) and p.budget is not None]
+        colour = f"C{index % 10}"
+        for memory_of, value_of, style, label in (
+                (lambda p: p.ours_memory, lambda p: p.ours, "-", policy),
+                (lambda p: p.their_memory, lambda p: p.theirs, "--", f"kvpress {press}")):
+            shown = [p for p in curve if memory_of(p) is not None]
+            if shown:
+                axes.plot([100 * memory_of(p) for p in shown], [value_of(p) for p in shown], style, marker="o",
+                          color=colour, label=label)
+                for p in shown:
+                    axes.annotate(str(p.budget), (100 * memory_of(p), value_of(p)), fontsize=6, xytext=(2, 2),
+                                  textcoords="offset points")
+    for p in found:
+        if p.budget is None:
+            axes.axhline(p.ours, linestyle=":", color="black", label="none (full cache)")
+    axes.set_xlim(0, 105)
+    axes.set_xlabel("KV memory held (ours: blocks, % of none's; kvpress: prompt tokens stored, %)")
+    axes.set_ylabel(task.metric)
+    cases = max((p.cases for p in found), default=0)
+    axes.set_title(f"{task.name}: ours and kvpress by the memory each holds ({cases} cases)")
+    axes.legend(fontsize=6)
+    common.save_figure(figure, path)
+
+
+def _mean_share(parts: Sequence[float | None], wholes: Sequence[float | None]) -> float | None:
+    """The mean of part / whole where both are known (None where none is): our blocks held
     against `none`'s on the case, kvpress's prompt tokens stored against the prompt's."""
     shares = [part / whole for part, whole in zip(parts, wholes) if part is not None and whole]
-    return f"{100 * sum(shares) / len(shares):.0f}%" if shares else "-"
+    return sum(shares) / len(shares) if shares else None
+
+
+def _percent(share: float | None) -> str:
+    return "-" if share is None else f"{100 * share:.0f}%"
 
 
 def _seconds(value: float | None) -> str:
