@@ -1,12 +1,14 @@
 """`python -m benchmarks attention-mass`: H2O's attention-mass kernel on its own.
 
-Times `kernels.attention_mass` (`csrc/cpu/attention_mass.cpp`) in the two ways the engine
-calls it: a prompt's mass (one request, every prompt token a causal query, mass only: the
-second pass over the prompt that `h2o` adds to a prefill) and a decode step's (a batch of
-requests, one query each over all their keys, mass and attention output in one pass: the
-fused decode path). SmolLM2-135M's attention shape by default (3 KV heads, 3 query heads
-each, head 64), the cache layout vLLM picks here for each dtype, block 32. Median of
-`--repeats` calls after one warm-up call; nothing else runs in the process.
+Times `kernels.attention_mass` (`csrc/cpu/attention_mass.cpp`) in the ways the engine calls it:
+a prompt's mass alone (one request, every prompt token a causal query: the pass that followed
+vLLM's attention before the prefill was fused, `KVPRUNE_FUSED_MASS=0`), a prompt's mass and
+attention output in one pass (the fused prefill: vLLM's attention is skipped), vLLM's own CPU
+prefill attention on the same cache (what the fused pass replaces), and a decode step's (a batch
+of requests, one query each over all their keys, mass and output in one pass). SmolLM2-135M's
+attention shape by default (3 KV heads, 3 query heads each, head 64), the cache layout vLLM picks
+here for each dtype, block 32. The prefill cases take turns (`--repeats` rounds after one
+warm-up round, median); nothing else runs in the process.
 
 Then what a decode step of `--batch` requests does with the mass: each request's victims
 (`kernels.lowest_mass_slots_many`, the C++ op request by request, over `--layers` layers of
@@ -46,8 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--out", default="results/attention_mass.json", help="JSON path; the plot goes next to it")
 
 
-def _case(args: argparse.Namespace, dtype_name: str, prefill: bool):
-    """The kernel call of one case, on seeded random inputs, as a closure."""
+def _case(args: argparse.Namespace, dtype_name: str, prefill: bool) -> tuple[dict[str, Any], Any]:
+    """The calls of one shape on seeded random inputs, as closures by case name: prefill (mass
+    alone, mass and output, vLLM's attention) or decode (mass and output)."""
     import torch
 
     from vllm_kvprune import kernels
@@ -68,13 +71,43 @@ def _case(args: argparse.Namespace, dtype_name: str, prefill: bool):
         query_rows = torch.arange(rows, dtype=torch.int64)
         key_counts = torch.full((rows,), keys, dtype=torch.int64)
     query = torch.randn(len(key_counts), heads * args.group, size, generator=generator).to(dtype)
-    output = None if prefill else torch.empty_like(query)
+    output = torch.empty_like(query)
     mass = torch.zeros(heads, cache.shape[0] * block)
 
-    def call() -> None:
-        kernels.attention_mass(query, cache, layout, table, query_rows, key_counts, size**-0.5, mass, output)
+    def call(with_output: bool):
+        def run() -> None:
+            kernels.attention_mass(query, cache, layout, table, query_rows, key_counts, size**-0.5, mass,
+                                   output if with_output else None)
+        return run
 
-    return call, layout
+    if not prefill:
+        return {"decode": call(True)}, layout
+    return {"prefill, mass": call(False), "prefill, mass and output (fused)": call(True),
+            "prefill, vLLM's attention": _vllm_prefill(query, cache, table, layout.isa, size**-0.5)}, layout
+
+
+def _vllm_prefill(query, cache, table, isa: str, scale: float):
+    """vLLM's CPU attention over the same cache and prompt (causal), as the engine calls it."""
+    import torch
+    from vllm import _custom_ops as ops
+
+    tokens, query_heads, size = query.shape
+    heads, block = cache.shape[1], cache.shape[2]
+    starts = torch.tensor([0, tokens], dtype=torch.int32)
+    lengths = torch.tensor([tokens], dtype=torch.int32)
+    vllm_isa = isa if isa in ("amx", "vec", "vec16") else "vec"
+    metadata = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=1, num_heads=query_heads, num_kv_heads=heads, head_dim=size, seq_lens=lengths, dtype=query.dtype,
+        query_start_loc=starts, causal=True, sliding_window_size=-1, isa=vllm_isa, enable_kv_split=False)
+    key_cache, value_cache = cache.view(cache.shape[0], heads, 2 * block, size).chunk(2, dim=2)
+    output = torch.empty_like(query)
+
+    def run() -> None:
+        ops.cpu_attention_with_kv_cache(
+            query=query, key_cache=key_cache, value_cache=value_cache, output=output, query_start_loc=starts,
+            seq_lens=lengths, scale=scale, causal=True, alibi_slopes=None, sliding_window=-1, block_table=table,
+            softcap=0.0, scheduler_metadata=metadata, s_aux=None)
+    return run
 
 
 def _victim_cases(args: argparse.Namespace) -> dict[str, Any]:
@@ -129,13 +162,14 @@ def run(args: argparse.Namespace) -> int:
     results: list[dict[str, Any]] = []
     for dtype_name in DTYPES:
         for prefill in (True, False):
-            call, layout = _case(args, dtype_name, prefill)
-            timing = common.time_round_robin({"kernel": call}, warmup=1, repeats=args.repeats)["kernel"]
-            results.append({"case": "prefill" if prefill else "decode", "dtype": dtype_name,
-                            "queries": args.prompt_tokens if prefill else args.batch,
-                            "keys": args.prompt_tokens if prefill else args.keys,
-                            "cache_layout": layout.isa, "median_ms": timing["median"] / 1000,
-                            "p25_ms": timing["p25"] / 1000, "p75_ms": timing["p75"] / 1000})
+            calls, layout = _case(args, dtype_name, prefill)
+            timings = common.time_round_robin(calls, warmup=1, repeats=args.repeats)
+            for case, timing in timings.items():
+                results.append({"case": case, "dtype": dtype_name,
+                                "queries": args.prompt_tokens if prefill else args.batch,
+                                "keys": args.prompt_tokens if prefill else args.keys,
+                                "cache_layout": layout.isa, "median_ms": timing["median"] / 1000,
+                                "p25_ms": timing["p25"] / 1000, "p75_ms": timing["p75"] / 1000})
     for case, call in _victim_cases(args).items():
         timing = common.time_round_robin({"victims": call}, warmup=1, repeats=args.repeats)["victims"]
         results.append({"case": case, "dtype": "float32", "queries": args.batch, "keys": args.held,

@@ -194,6 +194,10 @@ def ttft_section(path: Path, doc_dir: Path) -> str:
              f"median of {settings.get('repeats')} request(s) per length after one warm-up request, each on its "
              f"own essay window; budget {settings.get('budget')} for the budgeted policies (`prefill: full`: the "
              "prompt is attended in full, then pruned).")
+    if settings.get("fused_mass") is False:
+        setup += " `KVPRUNE_FUSED_MASS=0`: h2o's prompt mass in a pass of its own after vLLM's attention."
+    if settings.get("note"):
+        setup += f" {settings['note']}"
     return sections.file_section(f"Time to first token (`{path.name}`)", document, setup,
                                  sections.markdown_table(*ttft.table(document.get("results", []))), [], path, doc_dir)
 

@@ -48,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     add("--enforce-eager", action="store_true")
     add("--out", type=Path, default=Path(RESULT_STEM + ".json"))
+    add("--note", default=None, help="a line the results page shows with this run (e.g. which build ran it)")
     add("--child", default=None, help=argparse.SUPPRESS)
 
 
@@ -72,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
     common.print_table(*table(rows))
     settings = {"policies": args.policies, "prompt_tokens": args.prompt_tokens, "budget": args.budget,
                 "repeats": args.repeats, "model": "tiny" if args.tiny else "smollm2-135m-instruct",
-                "dtype": args.dtype, "enforce_eager": args.enforce_eager, "run_s": round(time.time() - started, 1)}
+                "dtype": args.dtype, "enforce_eager": args.enforce_eager, "run_s": round(time.time() - started, 1),
+                "note": args.note, "fused_mass": os.environ.get("KVPRUNE_FUSED_MASS", "1") == "1"}
     common.write_json(args.out, "ttft", settings, rows)
     plot(rows, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and its plot")

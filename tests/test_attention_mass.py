@@ -174,6 +174,35 @@ def test_extension_output_dtypes_and_int64_table() -> None:
 
 @needs_extension
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("group", (3, 1), ids=("G3", "G1"))
+def test_long_prompt_chunk_split_over_threads(dtype: torch.dtype, group: int) -> None:
+    """A prompt's later chunk beside one decode row, on two threads: the chunk's queries
+    are scored in blocks and split into parts that add their mass through buffers of their
+    own (`csrc/cpu/attention_mass.cpp`); mass and output equal the reference's, and the mass
+    gained is one unit per query and query head."""
+    torch.set_num_threads(2)
+    gen = torch.Generator().manual_seed(11)
+    block_size, head_size, num_heads = 32, 64, 3
+    layout = probe_layout(dtype, block_size, head_size, default_isa(dtype, block_size, head_size))
+    max_blocks, num_blocks = 26, 3 * 27 + 2
+    cache = torch.randn(num_blocks, num_heads, block_size, 2 * head_size, generator=gen).to(dtype)
+    mass0 = torch.rand(num_heads, num_blocks * block_size, generator=gen)
+    table = _block_table(3, max_blocks, num_blocks, gen)
+    cached, chunk = 201, 611  # a chunk after 201 cached prompt tokens, causal
+    rows = torch.tensor([1] + [0] * chunk)
+    counts = torch.tensor([700] + [cached + 1 + j for j in range(chunk)])
+    query = _fused_query(len(rows), num_heads * group, num_heads, head_size, dtype, gen)
+    mass_cpp, out_cpp, mass_ref, out_ref = _run_both(
+        query, cache, layout, layout.tiling_list, table, rows, counts, head_size**-0.5, mass0, torch.float32
+    )
+    torch.testing.assert_close(mass_cpp, mass_ref, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(out_cpp, out_ref, **OUT_TOL)
+    gained = (mass_cpp - mass0).sum().item()
+    assert abs(gained - len(rows) * num_heads * group) < 1e-4 * len(rows) * num_heads * group
+
+
+@needs_extension
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
 def test_extension_parallel_and_shared_blocks(dtype: torch.dtype) -> None:
     """Two threads over many rows; then rows whose tables share blocks (prefix caching), where
     two rows add to the same mass entries: the kernel must not lose any of those additions."""

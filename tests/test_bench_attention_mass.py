@@ -1,5 +1,5 @@
-"""`python -m benchmarks attention-mass` end to end on small shapes: both cases and
-dtypes are timed, the JSON names the build the times belong to, the plot is written."""
+"""`python -m benchmarks attention-mass` end to end on small shapes: every case (the prefill's
+mass alone, mass and output, vLLM's attention; decode) and both dtypes are timed, the JSON names the build the times belong to, the plot is written."""
 
 from __future__ import annotations
 
@@ -21,9 +21,10 @@ def test_every_case_is_timed_and_the_build_is_named(tmp_path: Path) -> None:
     document = json.loads(out.read_text())
     cases = {(row["case"], row["dtype"]): row for row in document["results"]}
     victims = {"victims, C++ op per request, 1 thread", "victims, torch ranking all requests at once"}
-    assert set(cases) == {(case, dtype) for case in ("prefill", "decode") for dtype in ("float32", "bfloat16")} | {
+    kernel_cases = ("prefill, mass", "prefill, mass and output (fused)", "prefill, vLLM's attention", "decode")
+    assert set(cases) == {(case, dtype) for case in kernel_cases for dtype in ("float32", "bfloat16")} | {
         (case, "float32") for case in victims}
-    assert cases[("prefill", "float32")]["queries"] == 96 and cases[("decode", "bfloat16")]["queries"] == 3
+    assert cases[("prefill, mass", "float32")]["queries"] == 96 and cases[("decode", "bfloat16")]["queries"] == 3
     assert all(row["median_ms"] > 0 for row in document["results"])
     assert document["settings"]["extension_isa"] == (kernels.extension_isa() or "torch fallback (no extension)")
     assert out.with_suffix(".png").stat().st_size > 0

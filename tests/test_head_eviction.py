@@ -169,11 +169,11 @@ def run_layer_step(state: WorkerKVState, impl, layer, kv_cache, plan, query, key
                    block_rows: np.ndarray = BLOCK_ROW[None]) -> None:
     """What the impl does in one layer through the plan, minus vLLM's own attention kernel
     (whose output H2O does not change): per-head writes, mass accumulation (with the attention
-    output on a decode-only step), prompt pruning."""
+    output where the step is fused), prompt pruning."""
     call = LayerCall(impl, layer, kv_cache, state)
     metadata = SimpleNamespace(block_table=torch.from_numpy(block_rows.astype(np.int32)))
     plan.write(call, key, value, plan.slot_mapping)
-    if plan.fused_decode:
+    if plan.fused(call):
         plan.attend(call, query, key, value, metadata, torch.empty(len(query), HEADS * HEAD_DIM))
     plan.after_attention(call, query, metadata)
 
@@ -279,3 +279,43 @@ def test_the_step_searches_its_requests_together_and_chooses_as_each_alone(monke
             query, key, value = (part[computed:computed + new] for part in inputs[index])
             run_layer_step(solo, impl, layer, solo_cache, plan, query, key, value, block_rows[index:index + 1])
         assert np.array_equal(solo.requests[request_id].map.logical, kept[request_id]), request_id
+
+
+def test_prompt_chunks_take_their_output_from_the_mass_pass():
+    """A prompt in two chunks on the CPU's kernel set: each chunk's step is fused (the mass pass
+    writes the attention output and vLLM's attention is skipped), its output is causal
+    attention over the prompt so far, and the mass table holds each token's summed attention
+    columns; a kernel set that does not fuse prompt chunks keeps the platform's attention."""
+    num_prompt, first_chunk = 80, 50
+    config = h2o_config(budget=128, sinks=2, recent=8)
+    state = WorkerKVState(config)
+    state.bind_cache(LAYERS, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, total_kv_heads=HEADS)
+    kv_cache = torch.zeros(NUM_BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD_DIM)
+    layer = SimpleNamespace(layer_name=LAYERS[0], isa="vec")
+    impl = bare_impl()
+    gen = torch.Generator().manual_seed(3)
+    query, key, value = (torch.randn(num_prompt, HEADS, HEAD_DIM, generator=gen) for _ in range(3))
+    metadata = SimpleNamespace(block_table=torch.from_numpy(BLOCK_ROW[None].astype(np.int32)))
+    # Dense causal attention per head, and each key's column sums: the reference.
+    logits = torch.einsum("qhd,khd->hqk", query, key) * impl.scale
+    logits = logits.masked_fill(torch.ones(num_prompt, num_prompt, dtype=torch.bool).triu(1), float("-inf"))
+    probabilities = logits.softmax(-1)
+    expected_output = torch.einsum("hqk,khd->qhd", probabilities, value)
+    for start, stop in ((0, first_chunk), (first_chunk, num_prompt)):
+        state.rows = StepRows(["r"], np.array([start]), np.array([num_prompt]), BLOCK_ROW[None], [None])
+        plan = state.plan(np.array([0, stop - start]), BLOCK_SIZE)
+        call = LayerCall(impl, layer, kv_cache, state)
+        assert plan.fused(call), "a prompt chunk alone in its step is fused on the CPU"
+        unfused = LayerCall(SimpleNamespace(**{**vars(impl), "kernels": type("Unfused", (CPUKernels,),
+                                                                               {"fused_prefill_mass": False})()}),
+                            layer, kv_cache, state)
+        assert not plan.fused(unfused)
+        span = slice(start, stop)
+        plan.write(call, key[span], value[span], plan.slot_mapping)
+        output = torch.full((stop - start, HEADS * HEAD_DIM), float("nan"))
+        plan.attend(call, query[span], key[span], value[span], metadata, output)
+        torch.testing.assert_close(output.view(-1, HEADS, HEAD_DIM), expected_output[span], rtol=1e-5, atol=1e-5)
+        plan.after_attention(call, query[span], metadata)
+    slots = torch.from_numpy(BLOCK_ROW[np.arange(num_prompt) // BLOCK_SIZE].astype(np.int64) * BLOCK_SIZE
+                             + np.arange(num_prompt) % BLOCK_SIZE)
+    torch.testing.assert_close(state.tables.by_slot[0][:, slots], probabilities.sum(1), rtol=1e-5, atol=1e-5)

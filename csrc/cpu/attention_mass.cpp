@@ -1,12 +1,16 @@
 // Attention mass per cached slot, optionally fused with the attention output (see
 // attention_mass.h), read in place from vLLM's CPU paged KV cache.
 //
-// Work split: one task per (block-table row, KV head). A task runs every query of its row
-// (one decode token, or a prefill chunk with causal key counts) for the G query heads of its
-// KV head, one query at a time: G logit rows of the query's key count, softmax, then the
-// mass of each slot is added and, if asked, the output accumulated. Two tasks of different
-// heads never touch the same mass row; two rows only meet when their tables share a block
-// (prefix caching), which is detected up front and then the split is by KV head alone.
+// Work split: one task per (block-table row, KV head), and where that gives the cores too few
+// tasks (a long prompt chunk alone in its step), the row's queries split into parts of about
+// equal work, each adding its mass into a buffer of its own that is summed into the table
+// afterwards. A task runs its queries (one decode token, or a prefill chunk with causal key
+// counts) for the G query heads of its KV head, a block of consecutive queries at a time, so
+// each page is read once for the block: their logit rows, one softmax per query head over its
+// own key count, then the mass of each slot is added and, if asked, the output accumulated.
+// Two tasks of different heads never touch the same mass row; two rows only meet when their
+// tables share a block (prefix caching), which is detected up front and then the split is by
+// KV head alone.
 //
 // Inner loops (tiled layouts, page_access.h): K is read tile row by tile row, 16 tokens x KP
 // dims at a time into 16 * KP fp32 accumulators, which the compiler keeps in registers; V is
@@ -432,95 +436,149 @@ struct RowGroup {
   int64_t row;
   int64_t begin, end;
   int64_t macs;  // work estimate: sum of key counts * Hq * D
+  int64_t max_count;
 };
+
+// One task's queries: a range of a row group's, for one KV head. A row whose queries are split
+// over several parts (a long prompt chunk: more tasks than KV heads for the cores) adds its
+// mass into a buffer of its own per part and head, indexed by key position, summed into the
+// table after the parallel region; an unsplit row adds to the table directly.
+struct Part {
+  int64_t group;
+  int64_t begin, end;
+  float* buffer;  // [num_heads, span] of this part, or null: add to the table
+  int64_t span;   // the row's blocks * block_size
+};
+
+// Consecutive queries of one row scored together, so each K and V page is read once for all
+// of them (a prompt chunk's queries; a decode row has one).
+// About 12 logit rows (4 queries of SmolLM2's 3 query heads per KV head; a trial of 3, 6, 12
+// and 24 rows on a 4K-token chunk, 2 cores, was fastest at 12); at most 8 queries.
+inline int64_t query_block(int64_t group) {
+  return std::max<int64_t>(1, std::min<int64_t>(8, 12 / group));
+}
+
+// Softmax over l[0..n), in place.
+inline void softmax(float* l, int64_t n) {
+#if KVPRUNE_SIMD_ATTENTION
+  vsoftmax(l, n);
+#else
+  float max_logit = -std::numeric_limits<float>::infinity();
+  for (int64_t o = 0; o < n; ++o) max_logit = std::max(max_logit, l[o]);
+  float sum = 0.0f;
+  for (int64_t o = 0; o < n; ++o) {
+    l[o] = exp_nonpositive(l[o] - max_logit);
+    sum += l[o];
+  }
+  const float inverse = 1.0f / sum;
+  for (int64_t o = 0; o < n; ++o) l[o] *= inverse;
+#endif
+}
 
 // Per-thread scratch, reused across the tasks of one parallel chunk.
 struct Scratch {
   std::vector<float> query, logits, acc, out;
 };
 
+// Queries order[begin..end) of row `row`, KV head `head`, QB at a time: their G query heads'
+// logits over the block's largest key count (rows with fewer keys: the rest is masked out of
+// their softmax and their probabilities there are 0), one softmax per query head over its own
+// keys, the mass of each key added (to `buffer` by position, or to the table by slot), and the
+// output if asked.
 template <typename elem_t, typename Page>
-void run_row(const Problem& P, const elem_t* cache, const RowGroup& rg, const int64_t* order,
-             int64_t head, Scratch& s) {
+void run_queries(const Problem& P, const elem_t* cache, int64_t row, const int64_t* order, int64_t begin,
+                 int64_t end, int64_t head, float* buffer, Scratch& s) {
   const PageGeometry& g = P.g;
-  const int64_t D = g.head_size, bs = g.block_size, G = P.group;
-  s.query.resize(G * D);
+  const int64_t D = g.head_size, bs = g.block_size, G = P.group, QB = query_block(G);
   s.out.resize(D);
   float* mass_row = P.mass + head * g.num_slots;
-  for (int64_t k = rg.begin; k < rg.end; ++k) {
-    const int64_t i = order[k];
-    const int64_t n = P.counts[i];
-    if (n == 0) {
+  for (int64_t k0 = begin; k0 < end;) {
+    // The block: up to QB consecutive queries; a query with no keys gets a zero output alone.
+    if (P.counts[order[k0]] == 0) {
       if (P.output != nullptr) {
         std::fill(s.out.begin(), s.out.end(), 0.0f);
-        for (int64_t gi = 0; gi < G; ++gi) P.store_output(i, head, gi, s.out.data());
+        for (int64_t gi = 0; gi < G; ++gi) P.store_output(order[k0], head, gi, s.out.data());
       }
+      ++k0;
       continue;
     }
+    int64_t k1 = k0, n = 0;
+    for (; k1 < end && k1 - k0 < QB && P.counts[order[k1]] > 0; ++k1) n = std::max(n, P.counts[order[k1]]);
+    const int64_t rows_in_block = (k1 - k0) * G;
     const int64_t num_blocks = (n + bs - 1) / bs;
     const int64_t ld = num_blocks * bs;
-    s.logits.resize(G * ld);
+    s.query.resize(rows_in_block * D);
+    s.logits.resize(rows_in_block * ld);
     float* logits = s.logits.data();
-    P.load_query(i, head, s.query.data());
+    for (int64_t k = k0; k < k1; ++k) P.load_query(order[k], head, s.query.data() + (k - k0) * G * D);
 
     for (int64_t b = 0; b < num_blocks; ++b) {
-      const elem_t* page = cache + (P.block_at(rg.row, b) * g.num_heads + head) * g.page_elems;
-      Page::scores(page, g, s.query.data(), G, std::min(bs, n - b * bs), logits + b * bs, ld);
+      const elem_t* page = cache + (P.block_at(row, b) * g.num_heads + head) * g.page_elems;
+      Page::scores(page, g, s.query.data(), rows_in_block, std::min(bs, n - b * bs), logits + b * bs, ld);
     }
 
-    if (P.softcap > 0.0f) {  // soft-capping, as vLLM's kernel applies it: after the scale
-      const float cap = P.softcap, inverse_cap = 1.0f / P.softcap;
-      for (int64_t gi = 0; gi < G; ++gi) {
-        float* l = logits + gi * ld;
-        for (int64_t o = 0; o < n; ++o) l[o] = cap * std::tanh(l[o] * inverse_cap);
+    for (int64_t r = 0; r < rows_in_block; ++r) {
+      float* l = logits + r * ld;
+      const int64_t count = P.counts[order[k0 + r / G]];
+      if (P.softcap > 0.0f) {  // soft-capping, as vLLM's kernel applies it: after the scale
+        const float cap = P.softcap, inverse_cap = 1.0f / P.softcap;
+        for (int64_t o = 0; o < count; ++o) l[o] = cap * std::tanh(l[o] * inverse_cap);
       }
-    }
-
-    for (int64_t gi = 0; gi < G; ++gi) {  // softmax over the n keys, in place
-      float* l = logits + gi * ld;
-#if KVPRUNE_SIMD_ATTENTION
-      vsoftmax(l, n);
-      continue;
-#endif
-      float max_logit = -std::numeric_limits<float>::infinity();
-      for (int64_t o = 0; o < n; ++o) max_logit = std::max(max_logit, l[o]);
-      float sum = 0.0f;
-      for (int64_t o = 0; o < n; ++o) {
-        l[o] = exp_nonpositive(l[o] - max_logit);
-        sum += l[o];
-      }
-      const float inverse = 1.0f / sum;
-      for (int64_t o = 0; o < n; ++o) l[o] *= inverse;
+      softmax(l, count);
+      std::fill(l + count, l + n, 0.0f);  // keys past this query's: no probability
     }
 
     for (int64_t b = 0; b < num_blocks; ++b) {
-      float* m = mass_row + P.block_at(rg.row, b) * bs;
+      float* m = buffer != nullptr ? buffer + b * bs : mass_row + P.block_at(row, b) * bs;
       const int64_t valid = std::min(bs, n - b * bs);
-      for (int64_t gi = 0; gi < G; ++gi) {
-        const float* p = logits + gi * ld + b * bs;
+      for (int64_t r = 0; r < rows_in_block; ++r) {
+        const float* p = logits + r * ld + b * bs;
         for (int64_t o = 0; o < valid; ++o) m[o] += p[o];
       }
     }
 
     if (P.output != nullptr) {
       const int64_t acc_per_head = D * Page::value_pack;
-      s.acc.assign(G * acc_per_head, 0.0f);
+      s.acc.assign(rows_in_block * acc_per_head, 0.0f);
       for (int64_t b = 0; b < num_blocks; ++b) {
-        const elem_t* page = cache + (P.block_at(rg.row, b) * g.num_heads + head) * g.page_elems;
-        Page::values(page, g, logits + b * bs, ld, G, std::min(bs, n - b * bs), s.acc.data());
+        const elem_t* page = cache + (P.block_at(row, b) * g.num_heads + head) * g.page_elems;
+        Page::values(page, g, logits + b * bs, ld, rows_in_block, std::min(bs, n - b * bs), s.acc.data());
       }
-      for (int64_t gi = 0; gi < G; ++gi) {
-        Page::finish(g, s.acc.data() + gi * acc_per_head, s.out.data());
-        P.store_output(i, head, gi, s.out.data());
+      for (int64_t r = 0; r < rows_in_block; ++r) {
+        Page::finish(g, s.acc.data() + r * acc_per_head, s.out.data());
+        P.store_output(order[k0 + r / G], head, r % G, s.out.data());
       }
     }
+    k0 = k1;
   }
+}
+
+// A row group's queries in `parts` ranges of about equal work (a causal chunk's later queries
+// attend to more keys), each at least a query block.
+std::vector<std::pair<int64_t, int64_t>> split_queries(const Problem& P, const RowGroup& rg,
+                                                       const int64_t* order, int64_t parts) {
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  const int64_t min_len = query_block(P.group);
+  int64_t total = 0;
+  for (int64_t k = rg.begin; k < rg.end; ++k) total += P.counts[order[k]] + 1;
+  int64_t start = rg.begin, done = 0;
+  for (int64_t k = rg.begin; k < rg.end; ++k) {
+    done += P.counts[order[k]] + 1;
+    const int64_t next_cut = total * (static_cast<int64_t>(ranges.size()) + 1) / parts;
+    if (done >= next_cut && k + 1 - start >= min_len && k + 1 < rg.end &&
+        static_cast<int64_t>(ranges.size()) + 1 < parts) {
+      ranges.emplace_back(start, k + 1);
+      start = k + 1;
+    }
+  }
+  ranges.emplace_back(start, rg.end);
+  return ranges;
 }
 
 template <typename elem_t, typename Page>
 void run(const Problem& P, const elem_t* cache, const std::vector<RowGroup>& groups,
          const std::vector<int64_t>& order, bool rows_share_blocks) {
-  const int64_t H = P.g.num_heads;
+  const int64_t H = P.g.num_heads, bs = P.g.block_size;
   const int64_t num_rows = static_cast<int64_t>(groups.size());
   int64_t total_macs = 0;
   for (const RowGroup& rg : groups) total_macs += rg.macs;
@@ -531,22 +589,77 @@ void run(const Problem& P, const elem_t* cache, const std::vector<RowGroup>& gro
                        Scratch s;
                        for (int64_t head = begin; head < end; ++head) {
                          for (const RowGroup& rg : groups) {
-                           run_row<elem_t, Page>(P, cache, rg, order.data(), head, s);
+                           run_queries<elem_t, Page>(P, cache, rg.row, order.data(), rg.begin, rg.end, head,
+                                                     nullptr, s);
                          }
                        }
                      });
     return;
   }
-  const int64_t num_tasks = num_rows * H;
+  // Fewer (row, KV head) tasks than a few per thread (a long prompt alone in its step): its
+  // rows' queries are split so that every thread has work of about the same size.
+  const int64_t threads = at::get_num_threads();
+  const int64_t wanted_tasks = 4 * threads;
+  std::vector<Part> parts;
+  std::vector<float> buffers;
+  std::vector<std::pair<int64_t, int64_t>> buffer_at;  // (part index, offset) of split parts
+  for (int64_t gi = 0; gi < num_rows; ++gi) {
+    const RowGroup& rg = groups[gi];
+    int64_t split = 1;
+    if (num_rows * H < wanted_tasks && total_macs >= threads * kMinMacsPerTask) {
+      // Enough parts for the wanted tasks, as a whole number of tasks per thread.
+      split = (wanted_tasks + num_rows * H - 1) / (num_rows * H);
+      while ((num_rows * H * split) % threads != 0) ++split;
+      split = std::min<int64_t>(split, (rg.end - rg.begin) / query_block(P.group));
+      split = std::max<int64_t>(1, split);
+    }
+    const int64_t span = (rg.max_count + bs - 1) / bs * bs;
+    for (const auto& range : split_queries(P, rg, order.data(), split)) {
+      parts.push_back(Part{gi, range.first, range.second, nullptr, span});
+    }
+  }
+  int64_t buffer_floats = 0;
+  for (size_t k = 0; k < parts.size(); ++k) {
+    const bool split = (k > 0 && parts[k - 1].group == parts[k].group) ||
+                       (k + 1 < parts.size() && parts[k + 1].group == parts[k].group);
+    if (split) {
+      buffer_at.emplace_back(static_cast<int64_t>(k), buffer_floats);
+      buffer_floats += H * parts[k].span;
+    }
+  }
+  buffers.assign(buffer_floats, 0.0f);
+  for (const auto& [k, offset] : buffer_at) parts[k].buffer = buffers.data() + offset;
+
+  const int64_t num_tasks = static_cast<int64_t>(parts.size()) * H;
   const int64_t per_task = std::max<int64_t>(1, total_macs / std::max<int64_t>(1, num_tasks));
   at::parallel_for(0, num_tasks, std::max<int64_t>(1, kMinMacsPerTask / per_task),
                    [&](int64_t begin, int64_t end) {
                      Scratch s;
                      for (int64_t task = begin; task < end; ++task) {
-                       run_row<elem_t, Page>(P, cache, groups[task / H], order.data(),
-                                             task % H, s);
+                       const Part& part = parts[task / H];
+                       const int64_t head = task % H;
+                       float* buffer = part.buffer == nullptr ? nullptr : part.buffer + head * part.span;
+                       run_queries<elem_t, Page>(P, cache, groups[part.group].row, order.data(), part.begin,
+                                                 part.end, head, buffer, s);
                      }
                    });
+  // The split rows' mass, part by part, into the table (each head's row by one thread).
+  if (buffer_at.empty()) return;
+  at::parallel_for(0, H, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t head = begin; head < end; ++head) {
+      float* mass_row = P.mass + head * P.g.num_slots;
+      for (const auto& [k, offset] : buffer_at) {
+        const Part& part = parts[k];
+        const RowGroup& rg = groups[part.group];
+        const float* added = part.buffer + head * part.span;
+        for (int64_t b = 0; b * bs < rg.max_count; ++b) {
+          float* m = mass_row + P.block_at(rg.row, b) * bs;
+          const int64_t valid = std::min(bs, rg.max_count - b * bs);
+          for (int64_t o = 0; o < valid; ++o) m[o] += added[b * bs + o];
+        }
+      }
+    }
+  });
 }
 
 template <typename elem_t>
@@ -686,13 +799,14 @@ void attention_mass(const at::Tensor& query, const at::Tensor& kv_cache,
   std::vector<RowGroup> groups;
   std::vector<std::pair<int64_t, int64_t>> used;  // (block, row) of every block a row reads
   for (int64_t k = 0; k < N;) {
-    RowGroup rg{rows[order[k]], k, k, 0};
+    RowGroup rg{rows[order[k]], k, k, 0, 0};
     int64_t max_count = 0;
     for (; k < N && rows[order[k]] == rg.row; ++k) {
       max_count = std::max(max_count, P.counts[order[k]]);
       rg.macs += P.counts[order[k]] * Hq * D;
     }
     rg.end = k;
+    rg.max_count = max_count;
     for (int64_t b = 0; b < (max_count + bs - 1) / bs; ++b) {
       const int64_t block = P.block_at(rg.row, b);
       TORCH_CHECK(block >= 0 && block < kv_cache.size(0), "kvprune.attention_mass: block_table[",

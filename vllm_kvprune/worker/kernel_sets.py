@@ -28,6 +28,10 @@ class KernelSet:
 
     # FDC's packed layout this set's `reduced_attention` reads (`PackedHeads.keys_by_token`).
     fdc_keys_by_token = False
+    # Whether a step with prompt chunks takes its attention output from `attention_mass` (one
+    # pass for output and mass) instead of the platform's attention kernel and a mass pass
+    # after it; decode-only steps always do.
+    fused_prefill_mass = False
 
     def write_slots(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                     slots: torch.Tensor) -> None:
@@ -88,6 +92,10 @@ class CPUKernels(KernelSet):
 
     def read_slots(self, layer, kv_cache, slots):
         return kernels.read_slots(kv_cache, slots, self.layout(layer, kv_cache))
+
+    # The C++ op scores a prompt chunk's queries in blocks and splits them over the cores: its
+    # output and mass take about the time of vLLM's CPU attention alone (`benchmarks ttft`).
+    fused_prefill_mass = True
 
     def attention_mass(self, layer, query, kv_cache, block_table, query_rows, key_counts, scale, mass, output,
                        softcap) -> None:

@@ -178,6 +178,11 @@ class HeadPagePlan(StepPlan):
         """Uniform steps: vLLM's attention. Paged: every row's KV head as its own sequence over
         head-pages, queries permuted to `[H, T, G, D]` so each sequence's are contiguous."""
         if self.page_attention is None:
+            if self.fused(call):  # the prompt's mass pass writes the output too
+                num_tokens, impl = len(self.mass_queries.tokens), call.impl
+                self._accumulate_prompt_mass(call, query, metadata,
+                                             output[:num_tokens].view(num_tokens, impl.num_heads, impl.head_size))
+                return output
             return call.attend(query, key, value, metadata, output)
         pages, layer, impl = self.page_attention, call.index, call.impl
         num_tokens, num_kv_heads = pages.num_tokens, impl.num_kv_heads
@@ -191,21 +196,28 @@ class HeadPagePlan(StepPlan):
             attended.view(num_kv_heads, num_tokens, group, impl.head_size).transpose(0, 1))
         return output
 
+    def fused(self, call: LayerCall) -> bool:
+        """A step of prompt chunks only whose output comes from the mass pass (`MassQueries.give_output`)."""
+        return self.mass_queries is not None and self.mass_queries.give_output(call.kernels)
+
     def after_attention(self, call: LayerCall, query: torch.Tensor, metadata: Any) -> None:
-        if self.mass_queries is not None:
+        if self.mass_queries is not None and not self.fused(call):
             self._accumulate_prompt_mass(call, query, metadata)
         if self.votes:
             self._vote(call, query)
 
-    def _accumulate_prompt_mass(self, call: LayerCall, query: torch.Tensor, metadata: Any) -> None:
+    def _accumulate_prompt_mass(self, call: LayerCall, query: torch.Tensor, metadata: Any,
+                                output: torch.Tensor | None = None) -> None:
         """Add the prompt queries' attention probabilities of this step to each prompt token's
         mass, per KV head (the mass kernel `h2o` keeps on its `heads` layout, over vLLM's block
-        table: a prompt is still in vLLM's layout until it is decided on)."""
+        table: a prompt is still in vLLM's layout until it is decided on); with `output`, the
+        same pass writes the attention output (`fused`)."""
         with call.scoring():
             queries = self.mass_queries
-            call.kernels.attention_mass(call.layer, query[queries.tokens], call.kv_cache, metadata.block_table,
+            call.kernels.attention_mass(call.layer, queries.of(query), call.kv_cache, metadata.block_table,
                                         queries.rows, queries.key_counts, call.impl.scale,
-                                        call.tables.mass_of_layer(call.index, call.kv_cache), None, softcap(call.impl))
+                                        call.tables.mass_of_layer(call.index, call.kv_cache), output,
+                                        softcap(call.impl))
 
     def _vote(self, call: LayerCall, query: torch.Tensor) -> None:
         """After a prompt's last chunk has attended: this layer's vote, and each head's kept
@@ -312,7 +324,9 @@ class HeadPagePlanner(RowPlanner):
         else:
             plan = self._finish_paged()
         if self.mass_queries:
-            plan.mass_queries = MassQueries.of_rows(self.mass_queries, decode_only=False)
+            # With every row uniform (prompt chunks only) the queries may be the whole step.
+            step_tokens = None if self.any_paged else sum(len(tokens) for _, tokens in self.rows)
+            plan.mass_queries = MassQueries.of_rows(self.mass_queries, decode_only=False, step_tokens=step_tokens)
             plan.mass_slots = torch.from_numpy(np.ascontiguousarray(np.concatenate(self.mass_slots, axis=1)))
         return plan
 

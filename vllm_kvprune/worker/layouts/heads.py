@@ -10,10 +10,11 @@ token's K/V takes one of their slots in that head (EQUIP, per head).
 
 The per-slot table (`HeadMass`) is the policy's score of every cached token per layer and
 KV head. A policy that keeps attention mass (`h2o`: `keeps_attention_mass`) adds each step's
-softmax probabilities to it, in one kernel pass per layer that holds one query's logits at a
-time; on decode-only steps the same pass also writes the attention output, and vLLM's
-attention is skipped (`KVPRUNE_FUSED_MASS=0` keeps vLLM's attention and adds the mass
-pass, for comparing the two). Another scorer writes the table once, when it prunes the
+softmax probabilities to it, in one kernel pass per layer that holds a block of queries'
+logits at a time; the same pass also writes the attention output and vLLM's attention is
+skipped, on decode-only steps and, where the platform's kernel set says so
+(`fused_prefill_mass`: the CPU's), on steps with prompt chunks too (`KVPRUNE_FUSED_MASS=0`
+keeps vLLM's attention and adds the mass pass, for comparing the two). Another scorer writes the table once, when it prunes the
 prompt (`snapkv`). With `KVPRUNE_SHIFT_APPEND=1` (benchmarks only) every head gathers its
 survivors to the front and appends instead, as H2O's own cache does.
 """
@@ -32,7 +33,7 @@ from vllm_kvprune.worker.head_map import SKIP, HeadSlotMap
 from vllm_kvprune.worker.layouts.base import LayerCall, PrefillCompaction, Row, RowPlanner, StepPlan, moved
 from vllm_kvprune.worker.layouts.tokens import SHIFT_APPEND
 
-FUSED_DECODE_MASS = envs.get("FUSED_MASS", "1") == "1"
+FUSED_MASS = envs.get("FUSED_MASS", "1") == "1"
 
 
 class HeadMass:
@@ -76,16 +77,32 @@ class MassQueries:
     rows: torch.Tensor  # [N] block-table row
     key_counts: torch.Tensor  # [N] physical keys it attends to (causal inside a prompt chunk)
     decode_only: bool  # every token is its row's single decode token, in batch order
+    whole_step: bool = False  # the step's every token, in batch order (tokens = 0 .. N-1)
 
     @classmethod
-    def of_rows(cls, parts: list[np.ndarray], decode_only: bool) -> MassQueries:
-        """From a planner's parts, each `[q, 3]`: token, row, key count."""
-        queries = torch.from_numpy(np.concatenate(parts)).T.contiguous()
-        return cls(tokens=queries[0], rows=queries[1], key_counts=queries[2], decode_only=decode_only)
+    def of_rows(cls, parts: list[np.ndarray], decode_only: bool, step_tokens: int | None = None) -> MassQueries:
+        """From a planner's parts, each `[q, 3]`: token, row, key count; `step_tokens`: the
+        step's token count, if known (to tell whether the queries are the whole step)."""
+        queries = np.concatenate(parts)
+        whole = step_tokens is not None and len(queries) == step_tokens and bool(
+            (queries[:, 0] == np.arange(step_tokens)).all())
+        queries = torch.from_numpy(queries).T.contiguous()
+        return cls(tokens=queries[0], rows=queries[1], key_counts=queries[2], decode_only=decode_only,
+                   whole_step=whole or decode_only)
 
     def to(self, device: torch.device | str) -> MassQueries:
         return replace(self, tokens=moved(self.tokens, device), rows=moved(self.rows, device),
                        key_counts=moved(self.key_counts, device))
+
+    def of(self, query: torch.Tensor) -> torch.Tensor:
+        """These queries' rows of the step's `query` (a view where they are the whole step)."""
+        return query[: len(self.tokens)] if self.whole_step else query[self.tokens]
+
+    def give_output(self, kernels: Any) -> bool:
+        """Whether the mass pass also writes the step's attention output (and the platform's
+        attention is skipped): every token of the step keeps mass, and the step decodes only
+        or the platform's kernel set fuses prompt chunks too (`KVPRUNE_FUSED_MASS=0`: never)."""
+        return FUSED_MASS and self.whole_step and (self.decode_only or kernels.fused_prefill_mass)
 
 
 @dataclass
@@ -118,10 +135,9 @@ class HeadPlan(StepPlan):
             self.mass_queries = self.mass_queries.to(device)
         return self
 
-    @property
-    def fused_decode(self) -> bool:
-        """A decode-only step whose attention output comes from the mass pass."""
-        return self.mass_queries is not None and self.mass_queries.decode_only and FUSED_DECODE_MASS
+    def fused(self, call: LayerCall) -> bool:
+        """Whether this step's attention output comes from the mass pass (`MassQueries.give_output`)."""
+        return self.mass_queries is not None and self.mass_queries.give_output(call.kernels)
 
     def write(self, call: LayerCall, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Lazy-pruning moves first, then each new token's K/V of every head into that head's
@@ -139,7 +155,7 @@ class HeadPlan(StepPlan):
 
     def attend(self, call: LayerCall, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, metadata: Any,
                output: torch.Tensor) -> torch.Tensor:
-        if self.fused_decode:
+        if self.fused(call):
             num_tokens, impl = len(self.mass_queries.tokens), call.impl
             self._accumulate_mass(call, query, metadata,
                                   output[:num_tokens].view(num_tokens, impl.num_heads, impl.head_size))
@@ -147,7 +163,7 @@ class HeadPlan(StepPlan):
         return call.attend(query, key, value, metadata, output)
 
     def after_attention(self, call: LayerCall, query: torch.Tensor, metadata: Any) -> None:
-        if self.mass_queries is not None and not self.fused_decode:
+        if self.mass_queries is not None and not self.fused(call):
             self._accumulate_mass(call, query, metadata)
         if self.prefill_compactions:
             self._prune_prompts(call, query)
@@ -156,11 +172,10 @@ class HeadPlan(StepPlan):
                          output: torch.Tensor | None = None) -> None:
         """Add this step's attention probabilities to each kept token's mass, per KV head, in
         one kernel pass that holds one query's logits at a time; with `output`, the same pass
-        computes the attention output too (decode-only steps: no second pass over the keys)."""
+        computes the attention output too (`fused`: no second pass over the keys)."""
         with call.scoring():
             queries = self.mass_queries
-            query = query[: len(queries.tokens)] if queries.decode_only else query[queries.tokens]
-            call.kernels.attention_mass(call.layer, query, call.kv_cache, metadata.block_table, queries.rows,
+            call.kernels.attention_mass(call.layer, queries.of(query), call.kv_cache, metadata.block_table, queries.rows,
                                         queries.key_counts, call.impl.scale, call.tables.by_slot[call.index], output,
                                         softcap(call.impl))
 
@@ -305,7 +320,10 @@ class HeadPlanner(RowPlanner):
         if self.head_moves:
             moves = tuple(torch.from_numpy(np.ascontiguousarray(np.concatenate(part, axis=1)))
                           for part in zip(*self.head_moves))
-        mass_queries = MassQueries.of_rows(self.mass_queries, self.decode_only) if self.mass_queries else None
+        mass_queries = None
+        if self.mass_queries:
+            step_tokens = sum(slots.shape[1] for slots in self.head_slots)
+            mass_queries = MassQueries.of_rows(self.mass_queries, self.decode_only, step_tokens)
         return HeadPlan(
             slot_mapping=head_slots[0, :, 0],
             seq_lens=self._seq_lens(),
