@@ -223,7 +223,7 @@ def accuracy_section(name: str, document: dict[str, Any], path: Path, doc_dir: P
     budgets = sorted({r["budget"] for r in records if r["budget"] is not None})
     parts = [f"### {name.replace('_', ' ')} ({task.metric}{', lower is better' if task.lower_is_better else ''})",
              f"Command: `{sections.shown_command(sections.lookup(document, 'machine', 'command', default=None))}`"
-             f" (seed {settings.get('seed', '-')})",
+             f" (seed {settings.get('seed', '-')}; model {settings.get('model', 'SmolLM2-135M-Instruct')})",
              sections.markdown_table(*report.budget_table(task, records, budgets))]
     if settings.get("model") == "tiny":  # `--tiny`: a smoke run, never a result
         parts.insert(1, "**A smoke run on the tiny random model (`--tiny`): its scores mean nothing.**")

@@ -32,6 +32,28 @@ def build(task, tokenizer, seed):
     return task.build(tokenizer, random.Random(seed))
 
 
+def test_a_base_model_reads_plain_text_after_its_bos(tokenizer):
+    """Gemma-3-270M (`--model Gemma-3-270M`) has no chat template and needs its <bos>: the
+    needle's prompt is the haystack, the question and the start of the answer as plain text;
+    kv_retrieval's and arithmetic's start with <bos> too. SmolLM2 (chat) gains no token."""
+    from transformers import AutoTokenizer
+
+    from benchmarks.accuracy.needle import BASE_CUE, QUESTION
+    from tools import assets
+
+    gemma = AutoTokenizer.from_pretrained(str(assets.gemma_model_dir()))
+    assert gemma.chat_template is None
+    needle = build(Needle([1024], [50]), gemma, 0)[0]
+    text = gemma.decode(needle.prompt_ids)
+    assert needle.prompt_ids[0] == gemma.bos_token_id and needle.prompt_ids.count(gemma.bos_token_id) == 1
+    assert text.endswith(f"{QUESTION}\n{BASE_CUE}") and "<start_of_turn>" not in text
+    assert str(needle.facts["number"]) in text
+    for task in (KVRetrieval(2, 8), Arithmetic(2, 2)):
+        ids = build(task, gemma, 0)[0].prompt_ids
+        assert ids[0] == gemma.bos_token_id and ids.count(gemma.bos_token_id) == 1
+    assert tokenizer("")["input_ids"] == []  # SmolLM2: the cases are what they were
+
+
 @pytest.mark.parametrize("make", [lambda: Perplexity(2, 256), lambda: Needle([1024], [0, 50, 100]),
                                   lambda: KVRetrieval(4, 16), lambda: Arithmetic(4, 4)])
 def test_cases_follow_the_seed(tokenizer, make):

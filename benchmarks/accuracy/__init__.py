@@ -42,9 +42,12 @@ TASK_NAMES = tuple(TASK_TYPES)
 # Every registered policy but `none` (the ceiling, always run) and FDC (`benchmarks fdc-accuracy`).
 POLICIES = common.policies(none=False, fdc=False)
 CHOICES = (*POLICIES, *VARIANTS)  # ablations, on request
+# The real models (`--model`): the `tools.assets` function that builds (or finds) each offline.
+MODELS = {"SmolLM2-135M-Instruct": "real_model_dir", "Gemma-3-270M": "gemma_model_dir"}
+MODEL_NAMES = tuple(MODELS)
 # Settings that decide which cases a task builds and how kvpress ran them: an earlier run's
 # kvpress records are reused only where all of these match.
-KVPRESS_REUSE_KEYS = ("tiny", "seed", "sinks", "dtype", "ppl_segments", "ppl_tokens", "needle_contexts", "needle_depths",
+KVPRESS_REUSE_KEYS = ("model", "tiny", "seed", "sinks", "dtype", "ppl_segments", "ppl_tokens", "needle_contexts", "needle_depths",
                       "kv_cases", "arith_cases", "kvpress_max_prompt", "kvpress_cases")
 # `--resume` also reuses our records: gvote's settings decide its runs.
 RESUME_KEYS = (*KVPRESS_REUSE_KEYS, "gvote_p", "gvote_samples")
@@ -107,6 +110,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="kvpress runs the first N cases of each task (its decoding is slow)")
     parser.add_argument("--kvpress-threads", type=int, default=2)
     parser.add_argument("--kvpress-timeout", type=float, default=1800, help="seconds per kvpress job")
+    parser.add_argument("--model", default=MODEL_NAMES[0], choices=MODEL_NAMES,
+                        help="the real model: SmolLM2-135M-Instruct (chat prompts) or Gemma-3-270M (base: plain "
+                             "prompts with the question after the context); write each to its own --out-dir")
     parser.add_argument("--tiny", action="store_true",
                         help="the tiny random Llama instead of SmolLM2 (SmolLM2's tokenizer; a smoke run of the "
                              "whole pipeline, its scores mean nothing)")
@@ -131,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     from benchmarks.accuracy import kvpress_side, ours
     from tools import assets
 
-    model = str(assets.tiny_model_dir() if args.tiny else assets.real_model_dir())
+    model = str(assets.tiny_model_dir() if args.tiny else getattr(assets, MODELS[args.model])())
     tokenizer = AutoTokenizer.from_pretrained(model)
     tasks = build_tasks(args)
     work: list[tuple[Task, list[Case]]] = [(t, t.build(tokenizer, random.Random(f"{args.seed}-{t.name}"))) for t in tasks]
@@ -194,7 +200,7 @@ def write_reports(args: argparse.Namespace, tasks: list[Task], records: list[dic
         "kvpress_threads", "dtype", "gvote_p", "gvote_samples", "reuse_kvpress", "resume", "tiny")}
     if args.resume:  # which methods came from the earlier run, for the results page
         settings["resumed"] = sorted({f"{r['system']}:{r['method']}" for r in records if r.get("resumed")})
-    settings.update(model="tiny" if args.tiny else "SmolLM2-135M-Instruct", engine=dict(ENGINE_OPTIONS, dtype=args.dtype,
+    settings.update(model=run_model(args), engine=dict(ENGINE_OPTIONS, dtype=args.dtype,
                                                                 enforce_eager=args.enforce_eager), run_s=run_seconds,
                     press_of_policy=pairs)
     found_by_task = {}
@@ -237,6 +243,11 @@ def write_reports(args: argparse.Namespace, tasks: list[Task], records: list[dic
         memory.plot_sweeps(found_by_task, Path(args.out_dir) / "accuracy_gvote_sweeps.png")
 
 
+def run_model(args: argparse.Namespace) -> str:
+    """The model a run answers with, as its files name it."""
+    return "tiny" if args.tiny else args.model
+
+
 def earlier_document(args: argparse.Namespace, task: str, flag: str, keys: tuple[str, ...]) -> dict[str, Any]:
     """`--out-dir`'s file of `task` from an earlier run whose `keys` settings are this run's; an
     error naming `flag` and the first setting that differs otherwise."""
@@ -247,8 +258,9 @@ def earlier_document(args: argparse.Namespace, task: str, flag: str, keys: tuple
     earlier = document.get("settings", {})
     earlier.setdefault("tiny", earlier.get("model") == "tiny")  # files from before `tiny` was saved
     for key in keys:
-        if earlier.get(key) != getattr(args, key):
-            raise SystemExit(f"{flag}: {path} was run with {key}={earlier.get(key)!r}, this run has {getattr(args, key)!r}")
+        mine = run_model(args) if key == "model" else getattr(args, key)
+        if earlier.get(key) != mine:
+            raise SystemExit(f"{flag}: {path} was run with {key}={earlier.get(key)!r}, this run has {mine!r}")
     return document
 
 

@@ -10,7 +10,7 @@ import random
 import re
 from typing import Any
 
-from benchmarks.accuracy.task import Answer, Case, Task
+from benchmarks.accuracy.task import Answer, Case, Task, plain_prompt
 
 NAMES = "Tom Anna Ben Lucy Sam Mia Jack Emma".split()
 ITEMS = "apples pencils books marbles cookies stickers".split()
@@ -42,7 +42,7 @@ class Arithmetic(Task):
             question, _, result = word_problem(rng)
             text = "".join(f"Question: {q}\nAnswer: {step}. The answer is {r}.\n\n" for q, step, r in examples)
             text += f"Question: {question}\nAnswer:"
-            cases.append(Case(self.name, f"q{index}", tokenizer(text, add_special_tokens=False)["input_ids"], 20,
+            cases.append(Case(self.name, f"q{index}", plain_prompt(tokenizer, text), 20,
                               {"result": result}))
         return cases
 

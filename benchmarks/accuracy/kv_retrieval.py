@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from benchmarks.accuracy.task import Answer, Case, Task
+from benchmarks.accuracy.task import Answer, Case, Task, plain_prompt
 
 KEY_WORDS = ("apple river stone cloud tiger maple candle silver garden rocket violet harbor pepper lantern "
              "meadow falcon copper breeze marble orchid").split()
@@ -35,7 +35,7 @@ class KVRetrieval(Task):
             asked = rng.randrange(self.pairs)
             lines = "\n".join(f"{key}: {value}" for key, value in zip(keys, values))
             text = f"Keys and values:\n{lines}\n\nLookup:\n{keys[asked]}:"
-            prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+            prompt = plain_prompt(tokenizer, text)
             cases.append(Case(self.name, f"kv{index}", prompt, 8,
                               {"value": values[asked], "depth": round(100 * asked / (self.pairs - 1))}))
         return cases

@@ -1,7 +1,8 @@
 """Needle in a haystack: a sentence with a random 5-digit number put into essay text at a
 depth of 0-100% of a 1K-7K token context; the question after it asks for the number.
 
-A hit is an answer (32 greedy tokens, chat template) that contains the number. Prefill is
+A hit is an answer (32 greedy tokens, chat template; a base model reads the question after the
+haystack and completes "Answer: The special magic number ... is") that contains the number. Prefill is
 `full` for every policy: the prompt's last token sees the whole prompt and the cache is
 pruned to the budget after it, so the answer's later tokens (the digits come one token each)
 read only what the policy kept.
@@ -17,6 +18,8 @@ from benchmarks.accuracy.task import Answer, Case, Task, chat_prompt, essay_toke
 
 NEEDLE = "The special magic number is {number}."
 QUESTION = "What is the special magic number mentioned in the text above? Answer with the number only."
+# A base model (no chat template) reads the question and completes this.
+BASE_CUE = "Answer: The special magic number mentioned in the text above is"
 # Room left in the context for the needle, the question and the chat template.
 FRAME_TOKENS = 64
 
@@ -49,7 +52,7 @@ class Needle(Task):
             for depth in self.depths:
                 number = rng.randint(10000, 99999)
                 haystack = haystack_with_needle(essay, tokenizer, context - FRAME_TOKENS, depth / 100, number)
-                cases.append(Case(self.name, f"c{context}-d{depth}", chat_prompt(tokenizer, f"{haystack}\n\n{QUESTION}"),
+                cases.append(Case(self.name, f"c{context}-d{depth}", chat_prompt(tokenizer, f"{haystack}\n\n{QUESTION}", BASE_CUE),
                                   self.max_tokens, {"context": context, "depth": depth, "number": number}))
         return cases
 

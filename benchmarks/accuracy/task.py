@@ -73,11 +73,21 @@ class Task:
         report.plot_vs_budget(self, records, path)
 
 
-def chat_prompt(tokenizer: Any, text: str) -> list[int]:
-    """`text` as the user turn of the model's chat template, ready for the answer."""
+def chat_prompt(tokenizer: Any, text: str, base_cue: str = "") -> list[int]:
+    """`text` as the user turn of the model's chat template, ready for the answer; a base model
+    (no chat template) gets the plain text followed by `base_cue`, the start of its answer."""
+    if tokenizer.chat_template is None:
+        return plain_prompt(tokenizer, f"{text}\n{base_cue}" if base_cue else text)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                         tokenize=True)
     return list(ids if isinstance(ids, list) else ids["input_ids"])  # newer tokenizers: BatchEncoding
+
+
+def plain_prompt(tokenizer: Any, text: str) -> list[int]:
+    """`text` as plain tokens, after the model's own start token where its tokenizer adds one
+    (Gemma's <bos>, without which it degenerates; SmolLM2's adds none)."""
+    prefix = tokenizer("")["input_ids"]
+    return list(prefix) + tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 @functools.lru_cache(maxsize=1)
