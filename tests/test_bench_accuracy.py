@@ -16,18 +16,20 @@ from pathlib import Path
 import pytest
 
 PPL_TOKENS = 300
+# The small run's cases and settings (a run that resumes it must have the same).
+SMALL_GRID = ["--gvote-p", "0.95", "--gvote-samples", "8", "--budgets", "128", "--ppl-segments", "1", "--ppl-tokens",
+              str(PPL_TOKENS), "--needle-contexts", "1024", "--needle-depths", "0", "100", "--needle-budgets", "256",
+              "--kv-cases", "2", "--arith-cases", "2", "--kvpress-cases", "1", "--tiny",
+              # float32 and eager: bf16 matmuls are emulated, and slow, on CPUs without bf16
+              # instructions, and compiling each engine costs minutes there
+              "--dtype", "float32", "--enforce-eager"]
 
 
 @pytest.fixture(scope="module")
 def small_run(tmp_path_factory, kvpress_venv):
     out = tmp_path_factory.mktemp("accuracy")
-    command = [sys.executable, "-m", "benchmarks", "accuracy", "--policies", "streaming", "gvote",
-               "--gvote-p", "0.95", "--gvote-samples", "8", "--budgets", "128", "--ppl-segments", "1", "--ppl-tokens", str(PPL_TOKENS),
-               "--needle-contexts", "1024", "--needle-depths", "0", "100", "--needle-budgets", "256",
-               "--kv-cases", "2", "--arith-cases", "2", "--kvpress-cases", "1", "--out-dir", str(out), "--tiny",
-               # float32 and eager: bf16 matmuls are emulated, and slow, on CPUs without bf16
-               # instructions, and compiling each engine costs minutes there
-               "--dtype", "float32", "--enforce-eager"]
+    command = [sys.executable, "-m", "benchmarks", "accuracy", "--policies", "streaming", "gvote", *SMALL_GRID,
+               "--out-dir", str(out)]
     finished = subprocess.run(command, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
                               timeout=1500)
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
@@ -154,9 +156,7 @@ def test_resume_runs_only_the_methods_missing(small_run, tmp_path):
     out = tmp_path / "resumed"
     shutil.copytree(small_run, out)
     command = [sys.executable, "-m", "benchmarks", "accuracy", "--tasks", "kv_retrieval", "--policies", "streaming",
-               "h2o", "--budgets", "128", "--kv-cases", "2", "--kvpress-cases", "1", "--gvote-p", "0.95",
-               "--gvote-samples", "8", "--needle-contexts", "1024", "--needle-depths", "0", "100", "--out-dir",
-               str(out), "--tiny", "--dtype", "float32", "--enforce-eager", "--resume"]
+               "h2o", *SMALL_GRID, "--out-dir", str(out), "--resume"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     finished = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
