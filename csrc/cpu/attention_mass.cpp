@@ -603,6 +603,7 @@ void run(const Problem& P, const elem_t* cache, const std::vector<RowGroup>& gro
   std::vector<Part> parts;
   std::vector<float> buffers;
   std::vector<std::pair<int64_t, int64_t>> buffer_at;  // (part index, offset) of split parts
+  int64_t buffer_floats = 0;
   for (int64_t gi = 0; gi < num_rows; ++gi) {
     const RowGroup& rg = groups[gi];
     int64_t split = 1;
@@ -614,17 +615,13 @@ void run(const Problem& P, const elem_t* cache, const std::vector<RowGroup>& gro
       split = std::max<int64_t>(1, split);
     }
     const int64_t span = (rg.max_count + bs - 1) / bs * bs;
-    for (const auto& range : split_queries(P, rg, order.data(), split)) {
+    const auto ranges = split_queries(P, rg, order.data(), split);
+    for (const auto& range : ranges) {
+      if (ranges.size() > 1) {  // parts of one row share its keys: each adds into its own buffer
+        buffer_at.emplace_back(static_cast<int64_t>(parts.size()), buffer_floats);
+        buffer_floats += H * span;
+      }
       parts.push_back(Part{gi, range.first, range.second, nullptr, span});
-    }
-  }
-  int64_t buffer_floats = 0;
-  for (size_t k = 0; k < parts.size(); ++k) {
-    const bool split = (k > 0 && parts[k - 1].group == parts[k].group) ||
-                       (k + 1 < parts.size() && parts[k + 1].group == parts[k].group);
-    if (split) {
-      buffer_at.emplace_back(static_cast<int64_t>(k), buffer_floats);
-      buffer_floats += H * parts[k].span;
     }
   }
   buffers.assign(buffer_floats, 0.0f);

@@ -14,9 +14,10 @@ softmax probabilities to it, in one kernel pass per layer that holds a block of 
 logits at a time; the same pass also writes the attention output and vLLM's attention is
 skipped, on decode-only steps and, where the platform's kernel set says so
 (`fused_prefill_mass`: the CPU's), on steps with prompt chunks too (`KVPRUNE_FUSED_MASS=0`
-keeps vLLM's attention and adds the mass pass, for comparing the two). Another scorer writes the table once, when it prunes the
-prompt (`snapkv`). With `KVPRUNE_SHIFT_APPEND=1` (benchmarks only) every head gathers its
-survivors to the front and appends instead, as H2O's own cache does.
+keeps vLLM's attention and adds the mass pass, for comparing the two). Another scorer writes
+the table once, when it prunes the prompt (`snapkv`). With `KVPRUNE_SHIFT_APPEND=1`
+(benchmarks only) every head gathers its survivors to the front and appends instead, as H2O's
+own cache does.
 """
 
 from __future__ import annotations
@@ -171,13 +172,13 @@ class HeadPlan(StepPlan):
     def _accumulate_mass(self, call: LayerCall, query: torch.Tensor, metadata: Any,
                          output: torch.Tensor | None = None) -> None:
         """Add this step's attention probabilities to each kept token's mass, per KV head, in
-        one kernel pass that holds one query's logits at a time; with `output`, the same pass
-        computes the attention output too (`fused`: no second pass over the keys)."""
+        one kernel pass that holds a block of queries' logits at a time; with `output`, the same
+        pass computes the attention output too (`fused`: no second pass over the keys)."""
         with call.scoring():
             queries = self.mass_queries
-            call.kernels.attention_mass(call.layer, queries.of(query), call.kv_cache, metadata.block_table, queries.rows,
-                                        queries.key_counts, call.impl.scale, call.tables.by_slot[call.index], output,
-                                        softcap(call.impl))
+            call.kernels.attention_mass(call.layer, queries.of(query), call.kv_cache, metadata.block_table,
+                                        queries.rows, queries.key_counts, call.impl.scale,
+                                        call.tables.by_slot[call.index], output, softcap(call.impl))
 
     def _prune_prompts(self, call: LayerCall, query: torch.Tensor) -> None:
         """Each KV head of this layer keeps its own `keep` tokens of each prompt that ends this
