@@ -8,7 +8,9 @@ prompt are kvpress's full-cache run, reused rather than run again.
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 from benchmarks.accuracy.report import KVPRESS
@@ -32,6 +34,14 @@ def press_ratio(spec: dict[str, Any], prompt_tokens: int, kept: int) -> float:
     if spec["name"] == "PyramidKVPress":
         return 1.0 - (kept + 0.25) / prompt_tokens
     return compression_ratio(prompt_tokens, kept)
+
+
+def full_attention_layers(model: str) -> set[int]:
+    """The layers of `model` (a Hugging Face folder) with full attention: all of them unless its
+    config names each layer's kind (`layer_types`, as hybrid models such as Gemma-3 do)."""
+    config = json.loads((Path(model) / "config.json").read_text())
+    kinds = config.get("layer_types") or ["full_attention"] * config["num_hidden_layers"]
+    return {layer for layer, kind in enumerate(kinds) if kind == "full_attention"}
 
 
 def prunes(case: Case, budget: int) -> bool:
@@ -107,9 +117,13 @@ def run_press(model: str, spec: dict[str, Any], work: Sequence[tuple[Task, list[
         timings.append({"system": KVPRESS, "method": press, "task": task.name, "seconds": seconds, "runs": len(runs),
                         "wall_seconds": time.perf_counter() - started, "versions": result.get("versions"),
                         "cases": "kvpress"})
+        full = full_attention_layers(model)
         for (case, budget), generated in zip(runs, result["results"]):
-            attended = generated.get("kv_attended_per_layer") or generated["kv_kept_per_layer"]
-            kept = sum(attended) / len(attended)  # per layer and KV head, on average
+            # The budget binds the full-attention layers; a hybrid model's sliding layers hold at
+            # most their window, whatever the press keeps of it.
+            attended = [n for layer, n in enumerate(generated.get("kv_attended_per_layer")
+                                                    or generated["kv_kept_per_layer"]) if layer in full]
+            kept = sum(attended) / len(attended)  # per full-attention layer and KV head, on average
             if budget is not None and (abs(kept - (budget - 1)) > 1 if constructor["name"] == "PyramidKVPress"
                                        else min(attended) != max(attended) or kept != budget - 1):
                 raise RuntimeError(f"kvpress {press} kept {attended} tokens per layer, not {budget - 1}")
@@ -118,10 +132,13 @@ def run_press(model: str, spec: dict[str, Any], work: Sequence[tuple[Task, list[
             if press == "none":
                 full_cache[(task.name, case.case_id)] = answer
             stored = generated["kv_kept_per_layer"]
+            stored_full = [n for layer, n in enumerate(stored) if layer in full]
             # kv_kept: what the next query attends to; kv_stored: what the cache holds (a masking
-            # press holds the whole prompt), both per layer and KV head on average.
+            # press holds the whole prompt), both per layer and KV head on average; kv_stored_full:
+            # the same over the full-attention layers (all of them but a hybrid model's sliding ones).
             records.append({**task.record(case, KVPRESS, press, budget, answer), "kv_kept": kept,
-                            "kv_stored": sum(stored) / len(stored)})
+                            "kv_stored": sum(stored) / len(stored),
+                            "kv_stored_full": sum(stored_full) / len(stored_full)})
         if press != "none":  # budgets that keep the whole prompt: the full-cache answer
             for budget in task.budgets:
                 for case in cases:

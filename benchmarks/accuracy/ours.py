@@ -106,13 +106,14 @@ class Measured:
     output: Any
     blocks: float | None
     blocks_per_layer: float | None
+    blocks_full: float | None  # `blocks` over the full-attention layers (a hybrid model's sliding windows left out)
 
 
 def generate_measured(llm: Any, runs: Sequence[Run], progress: bool = True) -> list[Measured]:
     """Every run through the engine, step by step as `LLM.generate` does, measured."""
     from tqdm import tqdm
 
-    from vllm_kvprune.engine.scheduler import held_model_blocks
+    from vllm_kvprune.engine.scheduler import held_growing_blocks, held_model_blocks
     from vllm_kvprune.worker.head_page_map import HeadPageMap
 
     engine, scheduler = llm.llm_engine, common.engine_scheduler(llm)
@@ -122,6 +123,7 @@ def generate_measured(llm: Any, runs: Sequence[Run], progress: bool = True) -> l
     outputs: dict[int, Any] = {}
     held: dict[int, list[float]] = defaultdict(list)
     per_layer: dict[int, list[float]] = defaultdict(list)
+    held_full: dict[int, list[float]] = defaultdict(list)
     with tqdm(total=len(runs), disable=not progress) as bar:
         while engine.has_unfinished_requests():
             for output in engine.step():
@@ -132,6 +134,7 @@ def generate_measured(llm: Any, runs: Sequence[Run], progress: bool = True) -> l
                 if request.num_computed_tokens > request.num_prompt_tokens:
                     index = index_of[request.request_id]
                     held[index].append(held_model_blocks(scheduler, request.request_id))
+                    held_full[index].append(held_growing_blocks(scheduler, request.request_id))
                     state = kv_state.requests.get(request.request_id) if kv_state is not None else None
                     if state is not None and isinstance(state.map, HeadPageMap):  # head-pages (gvote)
                         per_layer[index].append(state.map.mean_layer_blocks())
@@ -139,7 +142,7 @@ def generate_measured(llm: Any, runs: Sequence[Run], progress: bool = True) -> l
     def mean(values: list) -> float | None:
         return statistics.mean(values) if values else None
 
-    return [Measured(outputs[i], mean(held[i]), mean(per_layer[i])) for i in range(len(runs))]
+    return [Measured(outputs[i], mean(held[i]), mean(per_layer[i]), mean(held_full[i])) for i in range(len(runs))]
 
 
 def run_policy(model: str, policy: str, work: Sequence[tuple[Task, list[Case]]],
@@ -170,6 +173,7 @@ def run_policy(model: str, policy: str, work: Sequence[tuple[Task, list[Case]]],
             for run, result in zip(runs, measured):
                 record = task.record(run.case, OURS, policy, run.budget, answer_of(result.output))
                 record["kv_blocks"] = result.blocks
+                record["kv_blocks_full"] = result.blocks_full
                 if result.blocks_per_layer is not None:
                     record["kv_blocks_per_layer"] = result.blocks_per_layer
                 record.update({key.removeprefix("kv_"): value for key, value in run.settings.items()

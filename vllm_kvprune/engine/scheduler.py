@@ -9,7 +9,7 @@ from vllm_kvprune import metrics, vllm_hooks
 from vllm_kvprune.config import REPORT_KEY, KVConfigError, KVPolicyConfig, policy_from_vllm_config
 from vllm_kvprune.engine import checks
 from vllm_kvprune.engine.manager import KVPruneManager
-from vllm_kvprune.vllm_hooks import AsyncScheduler, Scheduler
+from vllm_kvprune.vllm_hooks import AsyncScheduler, Scheduler, SlidingWindowSpec
 
 logger = logging.getLogger("vllm_kvprune")
 
@@ -342,3 +342,12 @@ def held_model_blocks(scheduler, request_id: str) -> float:
     with per-layer tables (`gvote`) with one that has one table (`none`)."""
     return sum(share * held_blocks(scheduler, request_id, [manager])
                for share, manager in zip(model_block_shares(scheduler), vllm_hooks.single_type_managers(scheduler)))
+
+
+def held_growing_blocks(scheduler, request_id: str) -> float:
+    """`held_model_blocks` over the KV-cache groups whose memory grows with the context: all but a
+    hybrid model's sliding windows (vLLM's, bounded by the window under every policy). What
+    compares a policy's memory with a press that also cuts the sliding layers below their window."""
+    return sum(share * held_blocks(scheduler, request_id, [manager])
+               for share, manager in zip(model_block_shares(scheduler), vllm_hooks.single_type_managers(scheduler))
+               if not isinstance(manager.kv_cache_spec, SlidingWindowSpec))
