@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from benchmarks.accuracy.report import BUDGET_FREE, OURS, default_setting
+from benchmarks.accuracy.report import BUDGET_FREE, OURS, default_setting, growing
 from benchmarks.accuracy.task import Task
 
 
@@ -35,6 +35,7 @@ class Point:
     gvote_samples: int | None
     memory: float  # mean over cases of kv_blocks / none's kv_blocks for the case
     memory_per_layer: float  # the same of kv_blocks_per_layer (kv_blocks where layers hold alike)
+    memory_full: float  # the same over the full-attention layers (a hybrid model's sliding windows left out)
     blocks: float  # mean kv_blocks
     value: float  # the task's metric
     cases: int
@@ -50,6 +51,7 @@ def points(task: Task, records: Sequence[dict[str, Any]]) -> list[Point]:
     """Our methods' points, where `none` ran the same cases (memory is relative to it)."""
     ours = [r for r in records if r["system"] == OURS and "kv_blocks" in r]
     none_blocks = {r["case_id"]: r["kv_blocks"] for r in ours if r["method"] == "none" and r["kv_blocks"]}
+    none_full = {r["case_id"]: growing(r, "kv_blocks") for r in ours if r["case_id"] in none_blocks and r["method"] == "none"}
     if not none_blocks:
         return []
     groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
@@ -63,7 +65,8 @@ def points(task: Task, records: Sequence[dict[str, Any]]) -> list[Point]:
         def share(key: str, measured=measured) -> float:
             return statistics.mean(r.get(key, r["kv_blocks"]) / none_blocks[r["case_id"]] for r in measured)
 
-        found.append(Point(method, budget, p, samples, share("kv_blocks"), share("kv_blocks_per_layer"),
+        full = statistics.mean(growing(r, "kv_blocks") / none_full[r["case_id"]] for r in measured)
+        found.append(Point(method, budget, p, samples, share("kv_blocks"), share("kv_blocks_per_layer"), full,
                            statistics.mean(r["kv_blocks"] for r in measured), task.aggregate(group), len(group)))
     return sorted(found, key=lambda point: (point.method, point.memory))
 
@@ -89,10 +92,13 @@ def budgeted_curves(found: Sequence[Point]) -> dict[str, list[Point]]:
 
 def memory_table(task: Task, found: Sequence[Point]) -> tuple[list[str], list[list[str]]]:
     """Every point: its memory (blocks held while answering, and as a share of `none`'s) and
-    its metric."""
+    its metric; on a hybrid model also the share over its full-attention layers alone."""
+    hybrid = any(abs(p.memory_full - p.memory) > 1e-9 for p in found)
     headers = ["method", "budget / setting", "cases", "KV blocks held", "% of none",
+               *(["% of none, full-attention layers"] if hybrid else []),
                "% of none, a block table per layer", "held / need", task.metric]
     rows = [[p.method, p.label, str(p.cases), f"{p.blocks:.1f}", f"{100 * p.memory:.1f}%",
+             *([f"{100 * p.memory_full:.1f}%"] if hybrid else []),
              f"{100 * p.memory_per_layer:.1f}%", f"{p.memory / p.memory_per_layer:.3f}",
              task.format(p.value)] for p in found]
     return headers, rows

@@ -113,7 +113,7 @@ def generate_measured(llm: Any, runs: Sequence[Run], progress: bool = True) -> l
     """Every run through the engine, step by step as `LLM.generate` does, measured."""
     from tqdm import tqdm
 
-    from vllm_kvprune.engine.scheduler import held_growing_blocks, held_model_blocks
+    from vllm_kvprune.engine.scheduler import growing_share, held_growing_blocks, held_model_blocks
     from vllm_kvprune.worker.head_page_map import HeadPageMap
 
     engine, scheduler = llm.llm_engine, common.engine_scheduler(llm)
@@ -121,6 +121,7 @@ def generate_measured(llm: Any, runs: Sequence[Run], progress: bool = True) -> l
     index_of = {engine.add_request(str(i), {"prompt_token_ids": run.case.prompt_ids},
                                    sampling_params(run.case, run.settings)): i for i, run in enumerate(runs)}
     outputs: dict[int, Any] = {}
+    pruned_share = growing_share(scheduler)
     held: dict[int, list[float]] = defaultdict(list)
     per_layer: dict[int, list[float]] = defaultdict(list)
     held_full: dict[int, list[float]] = defaultdict(list)
@@ -137,7 +138,10 @@ def generate_measured(llm: Any, runs: Sequence[Run], progress: bool = True) -> l
                     held_full[index].append(held_growing_blocks(scheduler, request.request_id))
                     state = kv_state.requests.get(request.request_id) if kv_state is not None else None
                     if state is not None and isinstance(state.map, HeadPageMap):  # head-pages (gvote)
-                        per_layer[index].append(state.map.mean_layer_blocks())
+                        # Its layers' mean in blocks of the whole model, beside what vLLM's own
+                        # groups (a hybrid model's sliding windows) hold.
+                        per_layer[index].append(held[index][-1] - held_full[index][-1]
+                                                + state.map.mean_layer_blocks() * pruned_share)
 
     def mean(values: list) -> float | None:
         return statistics.mean(values) if values else None

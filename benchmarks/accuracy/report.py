@@ -55,7 +55,8 @@ def budget_table(task: Task, records: Sequence[dict[str, Any]],
 class PairPoint:
     """Our policy and its kvpress press at one budget (None: full cache), on exactly the cases
     both ran: each side's metric, memory (ours: blocks held, share of `none`'s on the case;
-    kvpress: prompt tokens its cache stores, share of the prompt) and wall time per run."""
+    kvpress: prompt tokens its cache stores, share of the prompt; both over the full-attention
+    layers, `growing`) and wall time per run."""
 
     budget: int | None
     policy: str
@@ -77,7 +78,7 @@ def side_by_side_points(task: Task, records: Sequence[dict[str, Any]], pairs: di
     groups = grouped(records)
     seconds = {(t["system"], t["method"]): t["seconds"] / max(t["runs"], 1) for t in timings
                if t["task"] == task.name and t.get("cases") == "kvpress"}
-    none_blocks = {r["case_id"]: r["kv_blocks"] for r in records
+    none_blocks = {r["case_id"]: growing(r, "kv_blocks") for r in records
                    if (r["system"], r["method"]) == (OURS, "none") and r.get("kv_blocks")}
     found = []
     for policy, press in [("none", "none"), *pairs.items()]:
@@ -92,9 +93,9 @@ def side_by_side_points(task: Task, records: Sequence[dict[str, Any]], pairs: di
             their_answer = {r["case_id"]: r.get("answer", "").strip() for r in theirs}
             found.append(PairPoint(
                 budget, policy, press, task.aggregate(ours),
-                _mean_share([r.get("kv_blocks") for r in ours], [none_blocks.get(r["case_id"]) for r in ours]),
+                _mean_share([growing(r, "kv_blocks") for r in ours], [none_blocks.get(r["case_id"]) for r in ours]),
                 seconds.get((OURS, policy)), task.aggregate(theirs),
-                _mean_share([r.get("kv_stored") for r in theirs], [r.get("prompt_tokens") for r in theirs]),
+                _mean_share([growing(r, "kv_stored") for r in theirs], [r.get("prompt_tokens") for r in theirs]),
                 seconds.get((KVPRESS, press)),
                 sum(r.get("answer", "").strip() == their_answer[r["case_id"]] for r in ours), len(ours)))
     return found
@@ -141,6 +142,17 @@ def plot_side_by_side(task: Task, found: Sequence[PairPoint], path: Path) -> Non
     axes.set_title(f"{task.name}: ours and kvpress by the memory each holds ({cases} cases)")
     axes.legend(fontsize=6)
     common.save_figure(figure, path)
+
+
+def growing(record: dict[str, Any], key: str) -> float | None:
+    """A record's memory (`kv_blocks` of ours, `kv_stored` of kvpress's) over the full-attention
+    layers only (`key` + "_full"), where the record has it: the memory that grows with the context.
+    On a hybrid model (Gemma-3) ours leave the sliding-window layers to vLLM, bounded by their
+    window, where kvpress's presses also cut them (and its full cache holds the whole prompt in
+    them); over the full-attention layers the two sides are on the same footing. Without
+    sliding layers both readings are the same."""
+    full = record.get(key + "_full")
+    return record.get(key) if full is None else full
 
 
 def _mean_share(parts: Sequence[float | None], wholes: Sequence[float | None]) -> float | None:
