@@ -227,13 +227,13 @@ def accuracy_section(name: str, document: dict[str, Any], path: Path, doc_dir: P
              sections.markdown_table(*report.budget_table(task, records, budgets))]
     if settings.get("model") == "tiny":  # `--tiny`: a smoke run, never a result
         parts.insert(1, "**A smoke run on the tiny random model (`--tiny`): its scores mean nothing.**")
+    if settings.get("resumed"):
+        parts.append("Taken from the earlier run on the same cases (`--resume`): "
+                     + ", ".join(f"`{m}`" for m in settings["resumed"]) + "; the rest was run again.")
     if any(r["system"] == report.KVPRESS for r in records):
         if settings.get("reuse_kvpress"):
             parts.append("kvpress's answers and times come from the previous run on the same cases "
                          "(`--reuse-kvpress`); ours were run again.")
-    if settings.get("resumed"):
-        parts.append("Taken from the earlier run on the same cases (`--resume`): "
-                     + ", ".join(f"`{m}`" for m in settings["resumed"]) + "; the rest was run again.")
         side = report.side_by_side(task, records, settings.get("press_of_policy", {}), document.get("timings", []))
         parts += ["Ours and kvpress on the same cases:", sections.markdown_table(*side)]
     found = memory.points(task, records)

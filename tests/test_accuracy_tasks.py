@@ -162,3 +162,35 @@ def test_forced_tokens_follow_the_batch():
     assert logits[2].argmax() == 6 and torch.isfinite(logits[0]).all()  # nothing forced is left in row 0
     with pytest.raises(ValueError, match="max_tokens"):
         ForcedTokens.validate_params(SamplingParams(max_tokens=4, extra_args={FORCED_KEY: [1, 2]}))
+
+
+def test_hybrid_memory_is_compared_over_the_full_attention_layers():
+    """On a hybrid model ours leave the sliding layers to vLLM while kvpress cuts them too: the
+    side by side reads both over the full-attention layers (`*_full`), the memory table shows
+    both readings, and the per-layer share counts the sliding layers in blocks of the model."""
+    from benchmarks.accuracy import memory
+
+    task = KVRetrieval()
+    # none holds 18 model blocks (4 of them the full-attention layers'); at 256, 15.5 (1.5 full)
+    ours = [{"task": task.name, "case_id": "kv0", "system": report.OURS, "method": method, "budget": budget,
+             "hit": 1, "answer": " 1", "kv_blocks": blocks, "kv_blocks_full": full}
+            for method, budget, blocks, full in (("none", None, 18.0, 4.0), ("streaming", 256, 15.5, 1.5))]
+    theirs = [{"task": task.name, "case_id": "kv0", "system": report.KVPRESS, "method": method, "budget": budget,
+               "hit": 1, "answer": " 1", "prompt_tokens": 730, "kv_stored": stored, "kv_stored_full": stored}
+              for method, budget, stored in (("none", None, 730.0), ("StreamingLLMPress", 256, 255.0))]
+    headers, rows = report.side_by_side(task, ours + theirs, {"streaming": "StreamingLLMPress"}, [])
+    row = dict(zip(headers, rows[1]))
+    assert row["memory, % of full"] == "38%" and row["memory, % of full (stored)"] == "35%"
+    headers, rows = memory.memory_table(task, memory.points(task, ours))
+    streaming = dict(zip(headers, rows[1]))
+    assert streaming["% of none"] == "86.1%" and streaming["% of none, full-attention layers"] == "37.5%"
+    plain = [{**r, "kv_blocks_full": r["kv_blocks"]} for r in ours]  # one kind of layer: one reading
+    assert "% of none, full-attention layers" not in memory.memory_table(task, memory.points(task, plain))[0]
+
+
+def test_kvpress_budget_binds_the_full_attention_layers_of_a_hybrid_model():
+    from benchmarks.accuracy.kvpress_side import full_attention_layers
+    from tools import assets
+
+    assert full_attention_layers(str(assets.gemma_model_dir())) == {5, 11, 17}
+    assert full_attention_layers(str(assets.real_model_dir())) == set(range(30))
