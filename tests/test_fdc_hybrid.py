@@ -8,6 +8,7 @@ layers stay vLLM's at full width.
   vLLM's hybrid groups keep equal pages, the narrowed group's blocks hold twice the tokens, and
   the greedy tokens equal `reference/fdc.py` (logprobs within 1e-3) on prompts past the window,
   where the reference differs from the full cache's;
+- `streaming` with `fdc` on the tiny Gemma-3 (`heavy`): `fdc` alone's output with nothing evicted;
 - the real Gemma-3-270M (`slow`, `heavy`): the served tokens equal the reference's on an essay
   prompt past its 512-token window, with blocks of 128 tokens (the narrowed ones hold more).
 """
@@ -133,3 +134,30 @@ def test_real_gemma3_matches_the_reference(tmp_path) -> None:
     narrowed = [spec for spec in specs if isinstance(spec, FdcSpec)]
     assert len(narrowed) == 1 and narrowed[0].block_size > 128
     _assert_matches_reference(gemma(), str(path), prompts, results)
+
+
+@pytest.mark.heavy
+def test_tiny_gemma3_streaming_with_fdc(tmp_path) -> None:
+    """`streaming` with `fdc` on the hybrid model: with a budget past every prompt, `fdc` alone's
+    tokens and logprobs; with a budget of 64, its narrowed group evicts (other tokens) and every
+    block comes back. (The streaming reference evicts in every layer, so it is not the oracle of
+    a hybrid model, whose sliding layers stay vLLM's.)"""
+    from tools.model_zoo import zoo_model_dir
+
+    from vllm_kvprune.engine.spec import PrunedFdcSpec
+
+    model = str(zoo_model_dir("gemma3"))
+    path = tmp_path / "zoo-gemma3.safetensors"
+    fdc.calibrate(model, tokens=512, seq_len=256, seed=0).with_uniform_ranks(12, 10).save(path)
+    found = {}
+    for label, policy in (("fdc", {"name": "fdc"}), ("past", {"name": "streaming", "budget": 512, "sinks": 4}),
+                          ("capped", {"name": "streaming", "budget": 64, "sinks": 4})):
+        with engine(model, {**policy, "fdc": str(path)}, kv_blocks=160, max_model_len=1024) as llm:
+            found[label] = _generate(llm, PROMPTS)
+            if label != "fdc":
+                assert any(isinstance(spec, PrunedFdcSpec) and spec.block_size == 64 for spec in _groups(llm))
+            assert all_blocks_free(llm)
+    assert [tokens for tokens, _ in found["past"]] == [tokens for tokens, _ in found["fdc"]]
+    assert max(abs(a - b) for (_, mine), (_, alone) in zip(found["past"], found["fdc"])
+               for a, b in zip(mine, alone)) < 1e-3
+    assert [tokens for tokens, _ in found["capped"]] != [tokens for tokens, _ in found["fdc"]]
