@@ -8,9 +8,12 @@ Eq. 1; at the rates of `--uniform-at`, every head at the adaptive ranks' mean (t
 "without adaptive rates" ablation, the same compression); at the rates of `--qk-only-at`, Q/K cut
 at that rate and V kept whole (our measurements put most of the damage in V).
 
-Per setting: the cache a token keeps (packed, mean over layers), the pool's block count against
-`none`'s for the same bytes (tokens that fit: each layer's row rounded up to a head size of its
-own, see `worker/fdc_layers.py`), every task's score and its ratio to `none`. The 99% point is
+Per setting: the cache a token keeps (packed, mean over the layers FDC narrows), the tokens the
+pool holds in the full-attention layers against `none`'s for the same bytes (each layer's row
+rounded up to a head size of its own, see `worker/fdc_layers.py`; on a hybrid model, `--model
+Gemma-3-270M`, only the full-attention layers are narrowed and their blocks hold more tokens in
+the sliding layers' page, in steps of 32 tokens: `--block-size` sets how fine), every task's
+score and its ratio to `none`. The 99% point is
 the setting with the most tokens in the pool whose mean hit rate over needle, key-value
 retrieval and arithmetic is at least 99% of `none`'s (FDC's constraint is on average task
 accuracy); perplexity is shown beside.
@@ -107,6 +110,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add("--kv-cases", type=int, default=40)
     add("--arith-cases", type=int, default=40)
     add("--pool-gib", type=float, default=2.0, help="KV pool of each engine (the same bytes for every setting)")
+    add("--model", default=accuracy.MODEL_NAMES[0], choices=accuracy.MODEL_NAMES,
+        help="the real model (Gemma-3-270M: a base model, plain prompts; FDC narrows its full-attention layers)")
+    add("--block-size", type=int, default=None,
+        help="tokens per KV block of every engine (default the accuracy suite's 32); on a hybrid model FDC's "
+             "narrowed blocks hold a multiple of 32 tokens in the same page, so larger blocks follow the width finer")
     add("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     add("--enforce-eager", action="store_true")
     add("--out-dir", default="results/fdc")
@@ -127,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     from tools import assets
     from vllm_kvprune.fdc import calibration as fdc
 
-    model = str(assets.real_model_dir())
+    model = str(getattr(assets, accuracy.MODELS[args.model])())
     tokenizer = AutoTokenizer.from_pretrained(model)
     suite = argparse.Namespace(**vars(args), needle_budgets=None, budgets=[])
     tasks = accuracy.build_tasks(suite)
@@ -139,6 +147,8 @@ def run(args: argparse.Namespace) -> int:
         calibration = fdc.calibrate(model, sequences=sequences, source="essays", seed=args.seed, progress=bar.update)
     calibration.settings["essay_offset"] = calibration_start
     engine = dict(dtype=args.dtype, enforce_eager=args.enforce_eager)
+    if args.block_size is not None:
+        engine["block_size"] = args.block_size
     records, timings = ours.run_policy(model, "none", work, 0, args.pool_gib, **engine)
     points = []
     with tempfile.TemporaryDirectory() as folder:
@@ -171,7 +181,9 @@ def summarize(tasks: Sequence[Any], records: Sequence[dict[str, Any]], timings: 
         return task.aggregate(mine) if mine else None
 
     def pool(label: str | None) -> int:
-        return next(t["pool_blocks"] for t in timings if t.get("setting") == label and t["system"] == "vllm-kvprune")
+        """Tokens of the full-attention layers the pool holds (blocks, in runs that did not count them)."""
+        timing = next(t for t in timings if t.get("setting") == label and t["system"] == "vllm-kvprune")
+        return timing.get("pool_full_tokens", timing["pool_blocks"])
 
     none = {task.name: score(task, None) for task in tasks}
     none_pool = pool(None)
@@ -182,7 +194,7 @@ def summarize(tasks: Sequence[Any], records: Sequence[dict[str, Any]], timings: 
         point["hit_ratio"] = sum(ratios) / len(ratios) if ratios else None
     meeting = [p for p in points if p["hit_ratio"] is not None and p["hit_ratio"] >= ACCURACY_SHARE]
     best = max(meeting, key=lambda p: p["pool_tokens_vs_none"], default=None)
-    return {"none": none, "none_pool_blocks": none_pool, "points": points,
+    return {"none": none, "none_pool": none_pool, "points": points,
             "at_99_percent": None if best is None else best["setting"]}
 
 
@@ -208,8 +220,9 @@ def report(args: argparse.Namespace, tasks: Sequence[Any], records: list[dict[st
           f"{chosen if chosen is not None else 'none of the settings'}")
     settings = {key: getattr(args, key) for key in (
         "rates", "uniform_at", "qk_only_at", "calibration_tokens", "tasks", "seed", "ppl_segments", "ppl_tokens",
-        "needle_contexts", "needle_depths", "kv_cases", "arith_cases", "pool_gib", "dtype", "enforce_eager")}
-    settings.update(model="SmolLM2-135M-Instruct", calibration=calibration_settings, run_s=run_seconds)
+        "needle_contexts", "needle_depths", "kv_cases", "arith_cases", "pool_gib", "block_size", "dtype",
+        "enforce_eager")}
+    settings.update(model=args.model, calibration=calibration_settings, run_s=run_seconds)
     out = Path(args.out_dir) / "accuracy.json"
     common.write_json(out, NAME, settings, records, timings=timings, summary=summary,
                       table={"headers": headers, "rows": rows})

@@ -4,8 +4,8 @@ model (15 sliding-window layers, window 512, and 3 full-attention layers), one K
 Per policy, as in the model matrix (tests/test_model_matrix.py) but on real weights and real
 text: with nothing evicted the greedy tokens and logprobs equal `none`'s; with eviction a
 request holds fewer blocks of the policy's groups than the prompt needs (at most its cap where
-the policy has one) and every block comes back. `fdc` needs a calibration of the model (issue
-43's FDC point) and is not here.
+the policy has one) and every block comes back. `fdc` needs a calibration of the model: it is
+served on Gemma-3 against its reference in tests/test_fdc_hybrid.py.
 
 CI runs `h2o` (the real model's one case here: the prompt's mass fused into the prefill, a
 head size of 256); the others are `--heavy` (about 25 s each)."""

@@ -64,7 +64,7 @@ def traits_table() -> str:
         rows.append(f"| `{name}` | `{policy.layout}`: {LAYOUTS[policy.layout]} | {'yes' if policy.budgeted else 'no'} "
                     f"| {fdc} | {'yes' if policy.gpu else 'no'} | {policy.eager or 'no'} | {refuses} |")
     format_refusals = "; ".join(f"{FEATURES[feature]}: {why}" for feature, why in FORMAT_REFUSALS.items())
-    rows.append(f"| any policy with `--kv-fdc` | | | | | | every layer: {format_refusals} |")
+    rows.append(f"| any policy with `--kv-fdc` | | | | | | the layers it prunes (FDC narrows): {format_refusals} |")
     return "\n".join(rows)
 
 

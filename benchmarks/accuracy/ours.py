@@ -78,6 +78,17 @@ def build_engine(model: str, policy: str, budget: int | None, sinks: int, pool_g
     return LLM(**options)
 
 
+def full_block_size(kv_cache_config: Any) -> int:
+    """Tokens per block of the full-attention layers' KV-cache group(s) (not a sliding window's)."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    from vllm_kvprune import vllm_hooks
+
+    sizes = [vllm_hooks.group_spec(group).block_size for group in kv_cache_config.kv_cache_groups
+             if not isinstance(vllm_hooks.group_spec(group), SlidingWindowSpec)]
+    return max(sizes)
+
+
 def sampling_params(case: Case, settings: dict[str, Any]):
     from vllm import SamplingParams
 
@@ -157,11 +168,15 @@ def run_policy(model: str, policy: str, work: Sequence[tuple[Task, list[Case]]],
     each record with the KV blocks its request held (`kv_blocks`) and its per-request settings.
     The runs kvpress makes of `kvpress_work` are then timed again on their own, so the two
     sides' wall times cover the same prompts and budgets. Every timing carries the engine's pool
-    size in blocks (`pool_blocks`), so narrower blocks show as more of them."""
+    size in blocks (`pool_blocks`), so narrower blocks show as more of them, and in tokens of the
+    full-attention layers (`pool_full_tokens`: blocks times their group's tokens per block, which
+    FDC raises on a hybrid model, whose groups share one page size)."""
     all_budgets = {b for task, _ in work for b in task.budgets}
     llm = build_engine(model, policy, max(all_budgets) if policy not in WHOLE_CACHE else None, sinks, pool_gib,
                        policy_config, **overrides)
-    pool_blocks = common.engine_scheduler(llm).kv_cache_manager.block_pool.num_gpu_blocks
+    manager = common.engine_scheduler(llm).kv_cache_manager
+    pool_blocks = manager.block_pool.num_gpu_blocks
+    pool_full_tokens = pool_blocks * full_block_size(manager.kv_cache_config)
     records, timings = [], []
     try:
         for task, cases in work:
@@ -173,7 +188,7 @@ def run_policy(model: str, policy: str, work: Sequence[tuple[Task, list[Case]]],
             measured = generate_measured(llm, runs)
             seconds = time.perf_counter() - started
             timings.append({"system": OURS, "method": policy, "task": task.name, "seconds": seconds, "runs": len(runs),
-                            "cases": "all", "pool_blocks": pool_blocks})
+                            "cases": "all", "pool_blocks": pool_blocks, "pool_full_tokens": pool_full_tokens})
             for run, result in zip(runs, measured):
                 record = task.record(run.case, OURS, policy, run.budget, answer_of(result.output))
                 record["kv_blocks"] = result.blocks

@@ -42,9 +42,20 @@ DEFAULT_SEQ_LEN = 2048
 DEFAULT_RATE = 0.1
 V_SOURCES = ("values", "weights")  # where V's rotation comes from (docs/FDC.md: why values)
 # Architectures the reference forward (`reference/model.py`: Llama-style decoder, full RoPE,
-# optional per-head q/k norms) reproduces, checked against vLLM's `fdc` engine in the tests.
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+# optional per-head q/k norms; Gemma-3's extra norms, scaled embeddings, per-kind RoPE and
+# sliding windows) reproduces, checked against vLLM's `fdc` engine in the tests.
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text")
 _WEIGHT_SUFFIXES = (".self_attn.q_proj.weight", ".self_attn.k_proj.weight", ".self_attn.v_proj.weight")
+
+
+def narrowed_layers(config: dict) -> list[int] | None:
+    """The layers FDC narrows: on a hybrid model (`layer_types` with sliding windows) its
+    full-attention layers, the ones whose memory grows with the context (a sliding layer's is
+    bounded by its window, and it stays vLLM's at full width); None: every layer."""
+    types = config.get("layer_types")
+    if not types or all(kind == "full_attention" for kind in types):
+        return None
+    return [index for index, kind in enumerate(types) if kind == "full_attention"]
 
 
 class FdcFileError(ValueError):
@@ -70,7 +81,8 @@ class FdcCalibration:
     ``qk_rotation`` / ``v_rotation``: ``[L, H, d, d]`` float32, columns in decreasing order of
     ``qk_singular`` / ``v_singular`` (``[L, H, d]``). ``qk_rank`` / ``v_rank``: ``[L, H]`` int,
     the dimensions kept at ``rate``. ``settings``: how the file was made (model fingerprint,
-    tokens, seed, rate, ...), checked when it is loaded for a model.
+    tokens, seed, rate, ...), checked when it is loaded for a model; on a hybrid model
+    ``settings["layers"]`` names the model layers the ``L`` rows are (its full-attention ones).
     """
 
     qk_rotation: torch.Tensor
@@ -84,6 +96,18 @@ class FdcCalibration:
     @property
     def num_layers(self) -> int:
         return int(self.qk_rotation.shape[0])
+
+    @property
+    def layers(self) -> list[int]:
+        """The model layers the rows are, in order (every layer unless the file names them)."""
+        return list(self.settings.get("layers") or range(self.num_layers))
+
+    def row_of(self, layer: int) -> int | None:
+        """The row of model layer ``layer``, None for a layer the calibration leaves whole."""
+        layers = self.settings.get("layers")
+        if layers is None:
+            return layer if 0 <= layer < self.num_layers else None
+        return layers.index(layer) if layer in layers else None
 
     @property
     def num_kv_heads(self) -> int:
@@ -237,11 +261,12 @@ def _fix_signs(rotation: torch.Tensor) -> torch.Tensor:
     return rotation * torch.where(signs == 0, torch.ones_like(signs), signs)
 
 
-def value_rotations(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """Palu-style V: per layer and KV head, the SVD of the value projection ``[hidden, d]``."""
+def value_rotations(model: torch.nn.Module, layers: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Palu-style V: per layer (``layers``, default all) and KV head, the SVD of the value
+    projection ``[hidden, d]``."""
     decoder = model.model if hasattr(model, "model") else model
     rotations, singulars = [], []
-    for layer in decoder.layers:
+    for layer in (decoder.layers if layers is None else [decoder.layers[index] for index in layers]):
         attn = layer.self_attn
         weight = attn.v_proj.weight.detach().double()  # [H * d, hidden]
         per_head = weight.view(-1, attn.head_dim, weight.shape[-1])  # [H, d, hidden]
@@ -302,16 +327,20 @@ def random_sequences(vocab_size: int, tokens: int, seq_len: int, seed: int) -> l
 
 def fit(model: torch.nn.Module, sequences: Iterable[list[int]], rate: float = DEFAULT_RATE,
         progress: Callable[[int], None] | None = None, settings: dict | None = None,
-        v_source: str = "values") -> FdcCalibration:
+        v_source: str = "values", layers: list[int] | None = None) -> FdcCalibration:
     """Rotations of a loaded Hugging Face model and the ranks at removal rate ``rate``: Q/K
     from ``sequences``; V from the values of ``sequences`` (``v_source="values"``) or from the
-    value projection's weights (``"weights"``, Palu's and the paper's)."""
+    value projection's weights (``"weights"``, Palu's and the paper's). ``layers``: the model
+    layers to fit (`narrowed_layers`; None: every layer), recorded in the settings."""
     if v_source not in V_SOURCES:
         raise ValueError(f"v_source must be one of {V_SOURCES}, got {v_source!r}")
     qk_gram, v_gram = grams(model, sequences, progress)
+    if layers is not None:
+        qk_gram, v_gram = qk_gram[layers], v_gram[layers]
+        settings = {**(settings or {}), "layers": list(layers)}
     qk_singular, qk_rotation = _descending_eigh(qk_gram)
     if v_source == "weights":
-        v_rotation, v_singular = value_rotations(model)
+        v_rotation, v_singular = value_rotations(model, layers)
     else:
         v_singular, v_rotation = _descending_eigh(v_gram)
         v_rotation, v_singular = v_rotation.float(), v_singular.float()
@@ -347,7 +376,7 @@ def calibrate(model_dir: str | Path, *, tokens: int = DEFAULT_TOKENS, seq_len: i
         "source": source,
         "gqa": "one rotation per KV head, fitted to its keys and its group's queries",
     }
-    return fit(model, sequences, rate, progress, settings, v_source)
+    return fit(model, sequences, rate, progress, settings, v_source, narrowed_layers(config))
 
 
 # ---- the paper's observations -----------------------------------------------------------------
@@ -397,6 +426,7 @@ def spectrum_summary(calibration: FdcCalibration) -> dict:
         "qk_rank_mean": float(calibration.qk_rank.double().mean()),
         "v_rank_mean": float(calibration.v_rank.double().mean()),
         "head_dim": calibration.head_dim,
+        "layers": calibration.layers,  # the model layers of the rows above (a hybrid model: its full-attention ones)
     }
 
 
@@ -417,7 +447,7 @@ def describe(calibration: FdcCalibration) -> str:
         f"V {summary['v_max_singular_cv']:.1%}",
         "ranks per layer (Q/K | V, one entry per KV head):",
     ]
-    for layer, (qk, v) in enumerate(zip(summary["qk_rank"], summary["v_rank"])):
+    for layer, qk, v in zip(calibration.layers, summary["qk_rank"], summary["v_rank"]):
         lines.append(f"  layer {layer:>2}: {' '.join(f'{r:>3}' for r in qk)} | {' '.join(f'{r:>3}' for r in v)}")
     return "\n".join(lines)
 

@@ -94,10 +94,13 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     model = Path(args.model)
     if not (model / "config.json").is_file():
         parser.error(f"argument MODEL: {args.model} is not a model folder (no config.json)")
+    config = json.loads((model / "config.json").read_text())
     try:
-        fdc.check_supported(json.loads((model / "config.json").read_text()))
+        fdc.check_supported(config)
     except fdc.UnsupportedModelError as error:
         parser.error(f"argument MODEL: {error}")
+    if args.eval_pre_rope and fdc.narrowed_layers(config) is not None:
+        parser.error("argument --eval-pre-rope: not on a hybrid model (FDC narrows only its full-attention layers)")
     if args.eval_tokens < 0:
         parser.error(f"argument --eval-tokens: must be 0 or more, got {args.eval_tokens}")
     if args.eval_offset < 0:

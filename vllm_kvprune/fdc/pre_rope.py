@@ -55,6 +55,9 @@ class PreRopeTransform(FdcTransform):
     queries whole."""
 
     def __init__(self, calibration: FdcCalibration, keys: PreRopeKeys, device: torch.device | str = "cpu") -> None:
+        if calibration.settings.get("layers") is not None:
+            raise ValueError("the pre-RoPE ablation needs a calibration of every layer (not a hybrid model's "
+                             "full-attention layers)")
         super().__init__(calibration, device)
         rotation = keys.rotation.to(device=device, dtype=torch.float32)
         # [L, H, d, d]: the projector onto each head's first k_h pre-RoPE dimensions.

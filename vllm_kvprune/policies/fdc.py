@@ -27,9 +27,10 @@ if TYPE_CHECKING:
 
 _KEEPS_ALL = "keeps every token; remove it"
 # What FDC's reduced-space kernel does not honour (`worker/features.py` feature -> why), whatever
-# the policy it runs under: it is plain causal softmax attention in the reduced space.
-FORMAT_REFUSALS = {"sliding_window": "FDC's kernel has no window", "softcap": "FDC's kernel does not cap logits",
-                   "sinks": "FDC's kernel has none"}
+# the policy it runs under: it is plain causal softmax attention in the reduced space. Checked on
+# the layers FDC narrows, a model's full-attention layers: a hybrid model's sliding-window layers
+# stay vLLM's at full width (their memory is bounded by the window), so a window is no refusal.
+FORMAT_REFUSALS = {"softcap": "FDC's kernel does not cap logits", "sinks": "FDC's kernel has none"}
 
 
 class FdcPolicy(Policy):

@@ -11,7 +11,9 @@ Per layer and KV head ``h`` with rotation ``R_h`` (``[d, d]``) and ranks ``k_h``
 The reference keeps the head size and zeroes the dropped dimensions instead of cutting them:
 a zero dimension adds nothing to a dot product or a weighted sum, so the result is the reduced
 attention's, and every head fits one tensor whatever its rank. With every rank at the head size
-the rotations cancel (``R Rᵀ = I``) and FDC is `none` up to fp32 rounding.
+the rotations cancel (``R Rᵀ = I``) and FDC is `none` up to fp32 rounding. On a hybrid model
+the calibration holds its full-attention layers only (`FdcCalibration.layers`); the
+sliding-window layers pass through whole, as they are served.
 
 ``FdcReference`` is a :class:`BudgetedReference`, so FDC alone is ``budget=None`` and FDC under
 an eviction policy is that policy's reference given the same transform (``positions`` must be
@@ -38,8 +40,13 @@ class FdcTransform(HeadTransform):
         # [L, H, d]: 1 for a kept dimension, 0 for a dropped one.
         self.qk_mask = (dims < calibration.qk_rank[..., None]).to(device=device, dtype=torch.float32)
         self.v_mask = (dims < calibration.v_rank[..., None]).to(device=device, dtype=torch.float32)
+        # Model layer -> row; a layer without one (a hybrid model's sliding-window layer) stays whole.
+        self.rows = {layer: row for row, layer in enumerate(calibration.layers)}
 
     def project(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        if layer not in self.rows:
+            return q, k, v
+        layer = self.rows[layer]
         kv_heads = k.shape[0]
         group = q.shape[0] // kv_heads
         rotation, mask = self.qk_rotation[layer], self.qk_mask[layer][:, None, :]  # [H, d, d], [H, 1, d]
@@ -50,6 +57,9 @@ class FdcTransform(HeadTransform):
         return q_reduced, k_reduced, v_reduced
 
     def restore(self, layer: int, o: torch.Tensor) -> torch.Tensor:
+        if layer not in self.rows:
+            return o
+        layer = self.rows[layer]
         kv_heads = self.v_rotation.shape[1]
         grouped = o.float().reshape(kv_heads, -1, o.shape[-1])
         # The dropped value dimensions are zero already; R_vᵀ maps the kept ones back.

@@ -182,13 +182,27 @@ def _decoder(model: nn.Module) -> nn.Module:
     return model.model if hasattr(model, "model") else model
 
 
-def rope_cos_sin(model: nn.Module, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(model: nn.Module, positions: torch.Tensor, like: torch.Tensor,
+                 layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of the model's own rotary embedding at ``positions`` (any shape), returned with
-    shape ``positions.shape + [head_dim]`` (the model's RoPE variant and scaling apply)."""
+    shape ``positions.shape + [head_dim]`` (the model's RoPE variant and scaling apply).
+    ``layer_type``: a hybrid model's kind of layer (Gemma-3's sliding layers have a RoPE base of
+    their own); None for a model with one RoPE."""
     rotary = _decoder(model).rotary_emb
     flat = positions.reshape(1, -1).to(device=like.device, dtype=torch.long)
-    cos, sin = rotary(like, flat)
+    if hasattr(rotary, "layer_types"):  # one RoPE per kind of layer (Gemma-3)
+        cos, sin = rotary(like, flat, layer_type=layer_type or "full_attention")
+    else:
+        cos, sin = rotary(like, flat)
     return cos.reshape(*positions.shape, -1), sin.reshape(*positions.shape, -1)
+
+
+def layer_kind(model: nn.Module, layer_idx: int) -> tuple[str | None, int | None]:
+    """A layer's kind (`config.layer_types`, None for a model without) and its sliding window
+    in tokens (None: full attention), as the Hugging Face attention module was built."""
+    attn = _decoder(model).layers[layer_idx].self_attn
+    types = getattr(model.config, "layer_types", None)
+    return (types[layer_idx] if types else None), getattr(attn, "sliding_window", None)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -201,7 +215,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 def _attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_past: int, scale: float, want_probs: bool,
-    key_keep: torch.Tensor | None = None,
+    key_keep: torch.Tensor | None = None, window: tuple[int, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Eager causal attention of ``q`` new tokens over ``n_past`` cached keys + themselves.
 
@@ -209,6 +223,8 @@ def _attention(
     ``h`` uses KV head ``h // (Hq // Hkv)``).  Scores, softmax and the weighted sum in fp32.
     ``key_keep`` (optional, bool ``[Hkv, n_past + q]``): keys marked False are hidden from
     every query of their KV head (score -inf), on top of the causal mask.
+    ``window`` (optional, a sliding-window layer): ``(tokens, query positions [q], key positions
+    [n_past + q])``; a query sees only the keys less than ``tokens`` positions behind it.
     Returns the output ``[Hq, q, d]`` (fp32) and optionally the probabilities ``[Hq, q, n]``.
     """
     hq, nq, d = q.shape
@@ -225,6 +241,9 @@ def _attention(
         # New token i (0-based in the step) sees the n_past cached keys and new tokens 0..i.
         limit = n_past + torch.arange(start, stop, device=q.device)
         allowed = key_idx.unsqueeze(0) <= limit.unsqueeze(1)  # [rows, nk]
+        if window is not None:
+            tokens, query_positions, key_positions = window
+            allowed = allowed & (query_positions[start:stop, None] - key_positions[None, :] < tokens)
         if key_keep is not None:
             allowed = allowed & key_keep[:, None, None, :]  # [hkv, 1, rows, nk]
         scores = scores.masked_fill(~allowed, float("-inf"))
@@ -286,7 +305,7 @@ def forward_step(
 
     h = dec.embed_tokens(ids)  # [q, hidden]
     n_past = len(cache)
-    cos_q, sin_q = rope_cos_sin(model, qpos, h)  # [q, d]
+    cos_q, sin_q = rope_cos_sin(model, qpos, h, getattr(model.config, "layer_types", None) and "full_attention")
     if key_keep is not None and len(key_keep) != len(dec.layers):
         raise ValueError("key_keep needs one mask per layer")
     if capture is not None:
@@ -304,9 +323,16 @@ def forward_step(
         cos_k, sin_k = rope_cos_sin(model, kpos, h)  # [n+q, d] or [Hkv, n+q, d]
 
     attentions: list[torch.Tensor] | None = [] if output_attentions else None
+    rope_by_kind = {None: (cos_q, sin_q)}
     for layer_idx, layer in enumerate(dec.layers):
         attn = layer.self_attn
         d = attn.head_dim
+        kind, window = layer_kind(model, layer_idx)
+        if kind not in rope_by_kind:  # a hybrid model's layers of another kind: their own RoPE
+            rope_by_kind[kind] = rope_cos_sin(model, qpos, h, kind)
+        if cache.rope == "pre" and hasattr(dec.rotary_emb, "layer_types"):
+            raise ValueError("a pre-RoPE cache needs a model with one RoPE")
+        cos_q, sin_q = rope_by_kind[kind]
         x = layer.input_layernorm(h)
         q = attn.q_proj(x).view(nq, -1, d).transpose(0, 1)  # [Hq, q, d]
         k = attn.k_proj(x).view(nq, -1, d).transpose(0, 1)  # [Hkv, q, d]
@@ -343,21 +369,31 @@ def forward_step(
             if keep.shape != (keys.shape[0], keys.shape[1]):
                 raise ValueError(f"key_keep[{layer_idx}] must be [kv_heads, n + q] = "
                                  f"{(keys.shape[0], keys.shape[1])}, got {tuple(keep.shape)}")
-        o, probs = _attention(q, keys, values, n_past, scale, output_attentions, keep)
+        # A sliding-window layer: by original positions (the cache's bookkeeping), so it holds
+        # whatever order the cache is in.
+        sliding = None if window is None else (int(window), pos, cache.positions[layer_idx][0])
+        o, probs = _attention(q, keys, values, n_past, scale, output_attentions, keep, sliding)
         if attentions is not None:
             attentions.append(probs)
         if head_transform is not None:
             o = head_transform.restore(layer_idx, o)
         o = o.to(h.dtype).transpose(0, 1).reshape(nq, -1)
-        h = h + attn.o_proj(o)
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma-3: a norm after attention and around the MLP
+            h = h + layer.post_attention_layernorm(attn.o_proj(o))
+            h = h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+        else:
+            h = h + attn.o_proj(o)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
     return StepOutput(hidden=dec.norm(h), attentions=attentions)
 
 
 @torch.inference_mode()
 def compute_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """fp32 logits ``[rows, vocab]`` from final-normed hidden states ``[rows, hidden]``."""
-    return model.lm_head(hidden).float()
+    """fp32 logits ``[rows, vocab]`` from final-normed hidden states ``[rows, hidden]`` (capped
+    where the model caps them, `final_logit_softcapping`)."""
+    logits = model.lm_head(hidden).float()
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 def load_reference_model(model_dir: str, dtype: torch.dtype = torch.float32) -> nn.Module:

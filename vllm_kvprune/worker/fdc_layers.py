@@ -10,6 +10,11 @@ gets its own head size: its row rounded up to a multiple of `2 * H` (`layer_widt
 pool's memory follows the mean width over layers (vLLM puts layers of one kind but different
 widths in one KV-cache group, `UniformTypeKVCacheSpecs`, a block's bytes the sum of theirs).
 
+On a hybrid model the calibration holds its full-attention layers only (`FdcCalibration.layers`):
+`layers` and `layer_widths` are rows of those, and every method taking a `layer` takes the model
+layer's index (`row`). Those layers share one narrowed spec whose blocks hold more tokens in the
+sliding layers' page (`hybrid_block`).
+
 Under tensor parallelism each rank narrows the KV heads it holds with their own rotations, and
 a layer's rows are as wide as that layer's widest rank's (`worker/tensor_parallel.py`): every
 rank reports the same pages, so they agree on the number of blocks.
@@ -60,6 +65,8 @@ class FdcLayers:
                                                  calibration.v_rank[index][list(heads)]).row_width
                           for heads in every_rank) / granule) * granule
             for index in range(calibration.num_layers)]
+        # Model layer -> row of `layers` (every layer, or a hybrid model's full-attention ones).
+        self.rows = {layer: row for row, layer in enumerate(calibration.layers)}
         # The four projections around attention (`worker/fdc_projections.py`): torch's einsums
         # until `to()` picks what KVPRUNE_FDC_PROJECTIONS asks for on the cache's device.
         self.projections: FdcProjections = EinsumProjections(self.layers)
@@ -83,9 +90,25 @@ class FdcLayers:
         self.projections = projections_for(self.layers, device)
         return self
 
+    def row(self, layer: int) -> int:
+        """Model layer `layer`'s row (KeyError for a layer FDC leaves whole)."""
+        return self.rows[layer]
+
     def layer_head_size(self, layer: int) -> int:
-        """The head size layer `layer`'s spec gets: `2 * H * head_size` values per token."""
-        return self.layer_widths[layer] // (2 * self.num_kv_heads)
+        """The head size model layer `layer`'s spec gets: `2 * H * head_size` values per token."""
+        return self.layer_widths[self.row(layer)] // (2 * self.num_kv_heads)
+
+    def hybrid_block(self, page_values: int, block_size: int, granule: int = 32) -> tuple[int, int]:
+        """On a hybrid model: (tokens per block, head size) of the narrowed layers' one spec, so
+        that a block fits in the sliding layers' page of `page_values` values (vLLM's hybrid
+        groups share one pool of equal pages). Every narrowed layer takes the widest one's row
+        (one spec, one KV-cache group); the block holds as many of those rows as fit, a multiple
+        of `granule` tokens (the CPU kernel reads keys 32 at a time within a block) and at
+        least `block_size` (the full width's); the rest of the page is padding."""
+        head_size = self.spec_head_size
+        width = 2 * self.num_kv_heads * head_size
+        tokens = max(block_size, page_values // width // granule * granule)
+        return tokens, head_size
 
     @property
     def spec_head_size(self) -> int:
@@ -94,7 +117,7 @@ class FdcLayers:
 
     def kv_fraction(self) -> float:
         """Per-token cache size over the uncompressed one's (as the pool allocates it: the
-        mean over layers of each layer's padded width)."""
+        mean over the narrowed layers of each layer's padded width)."""
         return sum(self.layer_widths) / (len(self.layer_widths) * 2 * self.num_kv_heads * self.head_dim)
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -103,6 +126,7 @@ class FdcLayers:
         reduced keys and values (fp32, `[T, H, >= max k]`, zero past each head's rank), for a
         policy that scores what is cached. `writer`: the platform's narrow write
         (`KernelSet.write_narrow`, which skips slot -1)."""
+        layer = self.row(layer)
         reduced_keys, reduced_values = self.projections.keys_values(layer, key, value)
         writer(self.layers[layer].heads, blocks_of(kv_cache), slots, reduced_keys, reduced_values, block_size)
         return reduced_keys, reduced_values
@@ -112,7 +136,7 @@ class FdcLayers:
         """Move whole narrow tokens from `src_slots` to `dst_slots` (an eviction's compaction),
         staged: every source is read before any destination is written, so the sets may overlap.
         Bit-exact: read in fp32, written back in the cache's own dtype."""
-        heads = self.layers[layer].heads
+        heads = self.layers[self.row(layer)].heads
         cache = blocks_of(kv_cache)
         keys, values = heads.read(cache, src_slots, block_size)
         width_k, width_v = max(k.shape[1] for k in keys), max(v.shape[1] for v in values)
@@ -129,6 +153,7 @@ class FdcLayers:
         """Attention of queries `[T, Hq, d]` in the reduced space; returns `[T, Hq, d]` fp32.
         `attention`: the platform's kernel (`KernelSet.reduced_attention`: the C++ op, or
         Triton's on a GPU), with `kernels.reduced_attention`'s arguments."""
+        layer = self.row(layer)
         reduced = self.projections.queries(layer, query)
         cache = blocks_of(kv_cache)
         out = attention(reduced.to(cache.dtype), cache, block_table, query_start_loc, seq_lens,
@@ -138,5 +163,15 @@ class FdcLayers:
 
 def blocks_of(kv_cache: torch.Tensor) -> torch.Tensor:
     """vLLM's layer cache `[num_blocks, H, block_size, 2 * head_size]` as FDC's blocks
-    `[num_blocks, block_size * width]` (the same bytes: `2 H head_size` is the layer's width)."""
-    return kv_cache.view(kv_cache.shape[0], -1)
+    `[num_blocks, block_size * width]` (the same bytes: `2 H head_size` is the layer's width).
+    A page padded to a hybrid model's sliding layers' (`page_size_padded`: vLLM's view steps
+    over the padding) is one row of the whole page, padding included: the kernels take the row
+    length as the block stride and leave the rest of a block unused."""
+    num_blocks, stride = kv_cache.shape[0], kv_cache.stride(0)
+    if kv_cache.is_contiguous():
+        return kv_cache.view(num_blocks, -1)
+    available = kv_cache.untyped_storage().nbytes() // kv_cache.element_size() - kv_cache.storage_offset()
+    if not kv_cache[0].is_contiguous() or stride < kv_cache[0].numel() or num_blocks * stride > available:
+        raise ValueError(f"fdc: a layer cache of shape {tuple(kv_cache.shape)} and strides {kv_cache.stride()} "
+                         "is not one row of pages")
+    return kv_cache.as_strided((num_blocks, stride), (stride, 1))

@@ -4,8 +4,9 @@ The worker reads every attention layer as vLLM built it (its impl's window, soft
 sinks, cache dtype, attention type, KV sharing, and the RoPE the layer applies) and decides
 once, before the KV cache exists. What no policy runs with is refused here; what one policy
 cannot honour is that policy's `model_refusals` trait (`vllm_kvprune/policies/`), checked on
-the layers it prunes (every layer under FDC's narrow heads, whose format's refusals join
-the policy's); the remedy names the policies that do honour it. The table in docs/MODELS.md
+the layers it prunes (the full-attention layers; under FDC's narrow heads the format's refusals
+join the policy's on those same layers, the ones FDC narrows); the remedy names the policies
+that do honour it. The table in docs/MODELS.md
 is rendered from the same traits (`tools/policy_docs.py`, tested).
 
 Why: the policies reorder a request's slots (EQUIP), so everything vLLM's kernel derives
@@ -13,8 +14,8 @@ from a key's slot index is wrong after an eviction: a sliding window (physical d
 ALiBi (physical distance) are; soft-capping and learned sinks are not (per logit, per head),
 and vLLM's kernel applies them, unless a policy computes logits itself. Our slot kernels move
 K/V in the model dtype, not fp8 with scales. Sliding-window layers of a hybrid model (Gemma
-2/3) keep vLLM's own cache and manager: the policy prunes the full-attention layers, which is
-where the memory goes.
+2/3) keep vLLM's own cache and manager, at full width under FDC too: the policy prunes (FDC
+narrows) the full-attention layers, which is where the memory goes.
 """
 
 from __future__ import annotations
@@ -120,8 +121,8 @@ def refusal(config: KVPolicyConfig, layers: list[LayerFeatures],
             return refused(f"KV cache dtype {layer.kv_cache_dtype}", layer, "use --kv-cache-dtype auto")
         if layer.alibi:
             return refused("ALiBi", layer, "its biases follow slot order, which eviction changes")
-        # The policy's layers: those it prunes; under FDC's narrow heads, every layer.
-        if not (layer.pruned or config.narrow_heads):
+        # The policy's layers: those it prunes (and FDC narrows); the others stay vLLM's.
+        if not layer.pruned:
             continue
         for feature, why in refusals.items():
             if not layer.has(feature):

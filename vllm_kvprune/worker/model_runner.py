@@ -59,18 +59,23 @@ class KVPruneRunnerMixin:
         fdc = FdcLayers(self.kv_state.engine_config.fdc, model_dir if Path(model_dir).is_dir() else None,
                         rank, world_size, keys_by_token=getattr(kernel_set, "fdc_keys_by_token", False))
         total_kv_heads = self.model_config.get_total_num_kv_heads()
-        if fdc.calibration.num_layers != len(layers) or fdc.calibration.num_kv_heads != total_kv_heads or any(
+        # The layers FDC narrows: the full-attention ones (a hybrid model's sliding-window layers
+        # stay vLLM's at full width), which the calibration must name, in order.
+        narrowed = {vllm_hooks.layer_index(name): layer for name, layer in layers.items()
+                    if LayerFeatures.of(name, layer).pruned}
+        if fdc.calibration.layers != sorted(narrowed) or fdc.calibration.num_kv_heads != total_kv_heads or any(
                 layer.impl.num_kv_heads != fdc.num_kv_heads or layer.impl.head_size != fdc.head_dim
-                for layer in layers.values()):
+                for layer in narrowed.values()):
             split = f" ({fdc.num_kv_heads} per tensor-parallel rank of {world_size})" if world_size > 1 else ""
             raise UnsupportedModelError(
-                f"fdc: the calibration is for {fdc.calibration.num_layers} layers of {fdc.calibration.num_kv_heads} "
-                f"KV heads{split} of size {fdc.head_dim}; the model has {len(layers)} attention layers of "
-                f"{total_kv_heads} KV heads of size {next(iter(layers.values())).impl.head_size}")
+                f"fdc: the calibration is for layers {_spans(fdc.calibration.layers)} of "
+                f"{fdc.calibration.num_kv_heads} KV heads{split} of size {fdc.head_dim}; the model's full-attention "
+                f"layers are {_spans(sorted(narrowed))} of {total_kv_heads} KV heads of size "
+                f"{next(iter(layers.values())).impl.head_size}")
         self.kv_state.fdc = fdc.to(self.device)
-        logger.info("kvprune: fdc narrows every KV head (rate %s): a token takes %.1f%% of its full cache "
-                    "(packed widths, each layer's rounded up to a head size of its own)",
-                    fdc.calibration.settings.get("rate"), 100 * fdc.kv_fraction())
+        logger.info("kvprune: fdc narrows the KV heads of %d of %d layers (rate %s): a token takes %.1f%% of its "
+                    "full cache there (packed widths, each layer's rounded up to a head size of its own)",
+                    len(narrowed), len(layers), fdc.calibration.settings.get("rate"), 100 * fdc.kv_fraction())
 
     def get_kv_cache_spec(self):
         """vLLM's per-layer specs, the policy's layers' replaced by the policy's: the capped
@@ -79,11 +84,14 @@ class KVPruneRunnerMixin:
         pool follows the mean width. A policy whose layers keep different amounts
         (`per_layer_tables`) gives each layer a spec of its own (`LayerKVPruneSpec`: one KV-cache
         group per layer). Only full attention is the policy's; any other spec (a sliding window)
-        stays vLLM's."""
+        stays vLLM's. On a hybrid model FDC's layers share one spec whose block holds more tokens
+        in the sliding layers' page (`FdcLayers.hybrid_block`): vLLM's groups share one pool of
+        equal pages."""
         specs = super().get_kv_cache_spec()
         config, fdc = self.kv_state.engine_config, self.kv_state.fdc
         if not config.active:
             return specs
+        other_pages = {spec.page_size_bytes for spec in specs.values() if type(spec) is not FullAttentionSpec}
         replaced = {}
         for name, spec in specs.items():
             if type(spec) is FullAttentionSpec:
@@ -93,9 +101,8 @@ class KVPruneRunnerMixin:
                 elif fdc is None:
                     spec = KVPruneSpec(**fields)
                 else:
-                    size = fdc.layer_head_size(vllm_hooks.layer_index(name))
                     spec_cls = FdcSpec if config.policy.layout == "full" else PrunedFdcSpec
-                    spec = spec_cls(**{**fields, "head_size": size, "head_size_v": size})
+                    spec = spec_cls(**{**fields, **_narrowed_fields(fdc, spec, name, other_pages)})
             replaced[name] = spec
         return replaced
 
@@ -185,12 +192,17 @@ class KVPruneRunnerMixin:
 
     @staticmethod
     def _check_fdc_groups(kv_cache_config) -> None:
-        """Every layer narrowed: one group of FDC's spec (vLLM plans its block tables)."""
+        """The full-attention layers narrowed, in groups of FDC's spec (vLLM plans its block
+        tables); a hybrid model's sliding-window groups stay vLLM's."""
+        narrowed = 0
         for group in kv_cache_config.kv_cache_groups:
             spec = vllm_hooks.group_spec(group)
-            if not isinstance(spec, FdcSpec):
+            narrowed += isinstance(spec, FdcSpec)
+            if not isinstance(spec, (FdcSpec, SlidingWindowSpec)):
                 raise UnsupportedModelError(
                     f"fdc: {type(spec).__name__} layers ({list(group.layer_names)[0]}) are not supported")
+        if not narrowed:
+            raise UnsupportedModelError("fdc: no KV-cache group of full-attention layers to narrow")
 
     def _attach_voters(self, paged_layers: PagedLayers) -> None:
         """Per pruned layer: its query path for synthetic queries, and a hook on its query
@@ -241,6 +253,29 @@ class KVPruneRunnerMixin:
             return super()._build_attention_metadata(num_tokens, num_reqs, max_query_len, *args, **kwargs)
         finally:
             self.kv_state.rows = None
+
+
+def _narrowed_fields(fdc, spec, name: str, other_pages: set[int]) -> dict:
+    """The fields FDC changes in a full-attention layer's spec: its own head size, or on a
+    hybrid model (other specs' pages beside it) the one spec of `FdcLayers.hybrid_block`, its
+    page padded to theirs so vLLM's hybrid groups keep equal pages."""
+    if not other_pages:
+        size = fdc.layer_head_size(vllm_hooks.layer_index(name))
+        return {"head_size": size, "head_size_v": size}
+    page = max(other_pages)
+    dtype_bytes = spec.page_size_bytes // (2 * spec.block_size * spec.num_kv_heads * spec.head_size)
+    block_size, size = fdc.hybrid_block(page // dtype_bytes, spec.block_size)
+    fields = {"block_size": block_size, "head_size": size, "head_size_v": size}
+    if 2 * block_size * spec.num_kv_heads * size * dtype_bytes != page:
+        fields["page_size_padded"] = page
+    return fields
+
+
+def _spans(layers: list[int]) -> str:
+    """Layer indices for a message: `0-29`, or the list where they are not one span."""
+    if layers and layers == list(range(layers[0], layers[-1] + 1)):
+        return f"{layers[0]}-{layers[-1]}"
+    return str(layers)
 
 
 class KVPruneCPUModelRunner(KVPruneRunnerMixin, CPUModelRunner):
