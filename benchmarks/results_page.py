@@ -169,6 +169,13 @@ def render(results_dir: Path, page_path: Path) -> str:
         parts += ["## FDC: narrower heads", fdc_part]
         loaded = [(f"fdc/{path.name}", sections.load(path)) for path in sorted(fdc_folder.glob("*.json"))]
         documents += [(name, document) for name, document in loaded if "machine" in document]
+    for folder, (model, _) in MODEL_RUNS.items():  # FDC calibrated and served on another real model
+        other = fdc_folder / folder
+        other_part = sections.fdc_section(other, page_path.parent) if other.is_dir() else ""
+        if other_part:
+            parts += [f"## FDC on {model}", other_part]
+            loaded = [(f"fdc/{folder}/{path.name}", sections.load(path)) for path in sorted(other.glob("*.json"))]
+            documents += [(name, document) for name, document in loaded if "machine" in document]
 
     overheads = sorted(results_dir.glob("metrics_overhead*.json")) + sorted(results_dir.glob("checks_overhead*.json"))
     if overheads:

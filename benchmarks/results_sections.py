@@ -347,8 +347,11 @@ def fdc_section(folder: Path, doc_dir: Path) -> str:
     if found:
         commands = "\n".join(f"- {label}: `{shown_command(lookup(report, 'machine', 'command', default=None))}`"
                               for label, report in found)
-        parts += ["### FDC calibration (`results/fdc/`)", "Commands:", commands,
-                  "SmolLM2-135M-Instruct, fp32 Hugging Face reference; ranks from one removal rate (FDC Eq. 1); "
+        model = lookup(found[0][1], "settings", "model", default="smollm2-135m-instruct")
+        layers = lookup(found[0][1], "settings", "layers", default=None)
+        narrowed = f"; only its full-attention layers {layers} are narrowed" if layers else ""
+        parts += [f"### FDC calibration (`{_results_path(folder)}/`)", "Commands:", commands,
+                  f"{model}, fp32 Hugging Face reference{narrowed}; ranks from one removal rate (FDC Eq. 1); "
                   "the CV is FDC's Tables 3/4 (spread of each head's largest singular value).",
                   fdc_calibration_table(found),
                   "Perplexity of essay text through the compressed cache (reference), adaptive ranks, every "
@@ -382,21 +385,35 @@ def fdc_section(folder: Path, doc_dir: Path) -> str:
     return "\n\n".join(parts)
 
 
+def _results_path(folder: Path) -> str:
+    """`folder` from `results/` on (`results/fdc`, `results/fdc/gemma`), however it was reached."""
+    parts = folder.resolve().parts
+    return "/".join(parts[parts.index("results"):]) if "results" in parts else folder.name
+
+
 def fdc_accuracy_section(path: Path, doc_dir: Path) -> str:
     """`bench fdc-accuracy`: the accuracy suite served with fdc at each setting, and the 99% point."""
     document = load(path)
     settings, summary = document.get("settings", {}), document.get("summary", {})
     calibration = settings.get("calibration", {})
-    setup = (f"Served engines (`--kv-policy fdc`), SmolLM2-135M-Instruct in {settings.get('dtype', MISSING)}, the "
-             f"accuracy suite's cases (seed {settings.get('seed', MISSING)}). One calibration: "
-             f"{calibration.get('tokens', MISSING)} essay tokens from token {calibration.get('essay_offset', MISSING)} "
-             "(text no task reads). KV kept: the packed cache per token over the full one; pool tokens: the pool's "
-             "blocks for the same bytes over `none`'s (each layer's row rounded up to a head size of its own).")
+    model = settings.get("model", "SmolLM2-135M-Instruct")
+    layers = calibration.get("layers")
+    setup = (f"Served engines (`--kv-policy fdc`), {model} in {settings.get('dtype', MISSING)}, block size "
+             f"{settings.get('block_size', 32)}, the accuracy suite's cases (seed {settings.get('seed', MISSING)}). "
+             f"One calibration: {calibration.get('tokens', MISSING)} essay tokens from token "
+             f"{calibration.get('essay_offset', MISSING)} (text no task reads). KV kept: the packed cache per token "
+             "over the full one; pool tokens: the pool's blocks for the same bytes over `none`'s (each layer's row "
+             "rounded up to a head size of its own)."
+             + (f" A hybrid model: FDC narrows its full-attention layers {layers} only (the sliding-window layers "
+                "stay whole, bounded by their window), so both columns count those layers; the narrowed layers "
+                "share the widest one's row and a block holds a multiple of 32 of their tokens in the sliding "
+                "layers' page (docs/FDC.md, \"Hybrid models\")." if layers else ""))
     table = document.get("table", {})
     chosen = summary.get("at_99_percent")
-    notes = [f"Largest compression at >= 99% of `none`'s mean hit rate (needle, key-value retrieval, arithmetic): "
+    tasks = ", ".join(settings.get("tasks", ["needle", "kv_retrieval", "arithmetic"]))
+    notes = [f"Largest compression at >= 99% of `none`'s mean hit rate ({tasks}): "
              f"{chosen if chosen is not None else 'none of the settings'}"]
-    return file_section("FDC accuracy vs compression (`fdc/accuracy.json`)", document, setup,
+    return file_section(f"FDC accuracy vs compression (`{_results_path(path.parent)}/accuracy.json`)", document, setup,
                         markdown_table(table.get("headers", []), table.get("rows", [])), notes, path, doc_dir)
 
 

@@ -286,13 +286,17 @@ def test_metrics_overhead_section_shows_both_measures_from_its_json() -> None:
     assert f"{statistics.median(shares):.3%} of the wall time, median of {len(shares)} rounds" in section
 
 
-def test_fdc_accuracy_section_shows_every_setting_and_the_99_percent_point() -> None:
-    path = RESULTS / "fdc" / "accuracy.json"
+@pytest.mark.parametrize("folder", ["fdc", "fdc/gemma"])
+def test_fdc_accuracy_section_shows_every_setting_and_the_99_percent_point(folder: str) -> None:
+    path = RESULTS / folder / "accuracy.json"
     document = json.loads(path.read_text())
     section = sections.fdc_accuracy_section(path, DOC_DIR)
     assert body_rows(section) == [[str(cell) for cell in row] for row in document["table"]["rows"]]
     assert {row[0] for row in body_rows(section)} >= {"none"}
-    assert f"mean hit rate (needle, key-value retrieval, arithmetic): {document['summary']['at_99_percent']}" in section
+    tasks = ", ".join(document["settings"]["tasks"])
+    assert f"mean hit rate ({tasks}): {document['summary']['at_99_percent']}" in section
+    assert document["settings"].get("model", "SmolLM2-135M-Instruct") in section
+    assert f"`results/{folder}/accuracy.json`" in section
 
 
 def test_ray_batch_section_reads_every_run() -> None:
