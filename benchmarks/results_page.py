@@ -277,6 +277,11 @@ def accuracy_section(name: str, document: dict[str, Any], path: Path, doc_dir: P
     if settings.get("resumed"):
         parts.append("Taken from the earlier run on the same cases (`--resume`): "
                      + ", ".join(f"`{m}`" for m in settings["resumed"]) + "; the rest was run again.")
+    if settings.get("report_partial"):
+        presses = sorted(set(settings.get("press_of_policy", {}).values())) or ["none"]
+        parts.append("The run was stopped before its end and reported from the records it had saved "
+                     "(`--report-partial`): kvpress's full cache and " + ", ".join(f"`{p}`" for p in presses)
+                     + " ran; its other presses did not.")
     if any(r["system"] == report.KVPRESS for r in records):
         if settings.get("reuse_kvpress"):
             parts.append("kvpress's answers and times come from the previous run on the same cases "

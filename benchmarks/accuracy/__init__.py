@@ -103,6 +103,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="take every method's records (ours and kvpress's) from --out-dir's files of an earlier "
                              "run with the same cases, where they cover this run's cases and budgets; run only the "
                              "methods missing there")
+    parser.add_argument("--report-partial", action="store_true",
+                        help="run nothing: write the reports from --out-dir's accuracy_partial.json, the records of "
+                             "a run stopped before its end (the same flags as that run); its kvpress side has the "
+                             "presses that finished")
     parser.add_argument("--kvpress-max-prompt", type=int, default=2200,
                         help="longest prompt kvpress runs (its ObservedAttention needs eager attention, "
                              "about 45 s for a 4K prompt here)")
@@ -126,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
     for name, value in common.ENGINE_ENV.items():
         os.environ.setdefault(name, value)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engines in this process, one at a time
+    if args.report_partial:
+        return report_partial(args)
     reused = load_kvpress_records(args) if args.kvpress and args.reuse_kvpress else None
     earlier = Earlier(args) if args.resume else None
     if args.kvpress and reused is None:
@@ -197,7 +203,7 @@ def write_reports(args: argparse.Namespace, tasks: list[Task], records: list[dic
     settings = {key: getattr(args, key) for key in (
         "tasks", "policies", "budgets", "sinks", "seed", "ppl_segments", "ppl_tokens", "needle_contexts",
         "needle_depths", "needle_budgets", "kv_cases", "arith_cases", "kvpress", "kvpress_max_prompt", "kvpress_cases",
-        "kvpress_threads", "dtype", "gvote_p", "gvote_samples", "reuse_kvpress", "resume", "tiny")}
+        "kvpress_threads", "dtype", "gvote_p", "gvote_samples", "reuse_kvpress", "resume", "tiny", "report_partial")}
     if args.resume:  # which methods came from the earlier run, for the results page
         settings["resumed"] = sorted({f"{r['system']}:{r['method']}" for r in records if r.get("resumed")})
     settings.update(model=run_model(args), engine=dict(ENGINE_OPTIONS, dtype=args.dtype,
@@ -241,6 +247,25 @@ def write_reports(args: argparse.Namespace, tasks: list[Task], records: list[dic
         print("\ngvote's sweeps (the paper's Fig. 7 and 8)")
         common.print_table(*memory.sweep_rows(found_by_task))
         memory.plot_sweeps(found_by_task, Path(args.out_dir) / "accuracy_gvote_sweeps.png")
+
+
+def report_partial(args: argparse.Namespace) -> int:
+    """`--report-partial`: the reports of a run stopped before its end, from the records it saved
+    after each method (`accuracy_partial.json`); kvpress's side pairs only the presses found there."""
+    from benchmarks.accuracy import kvpress_side
+
+    document = json.loads((Path(args.out_dir) / "accuracy_partial.json").read_text())
+    records, timings = document["results"], document.get("timings", [])
+    done = {r["method"] for r in records if r["system"] == KVPRESS}
+    pairs = {policy: press for policy, spec in kvpress_side.press_specs(args.policies, args.sinks).items()
+             if (press := spec.get("label", spec["name"])) in done}
+    policies_run = {r["method"] for r in records if r["system"] == OURS}
+    args.policies = [policy for policy in args.policies if policy in policies_run]
+    print(f"partial run: ours {sorted(policies_run)}, kvpress {sorted(done)}", flush=True)
+    write_reports(args, build_tasks(args), records, timings, pairs,
+                  sum(t.get("wall_seconds", t["seconds"]) for t in timings if t.get("cases") == "all"
+                      or t["system"] == KVPRESS))
+    return 0
 
 
 def run_model(args: argparse.Namespace) -> str:
