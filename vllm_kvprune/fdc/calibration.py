@@ -102,12 +102,11 @@ class FdcCalibration:
         """The model layers the rows are, in order (every layer unless the file names them)."""
         return list(self.settings.get("layers") or range(self.num_layers))
 
-    def row_of(self, layer: int) -> int | None:
-        """The row of model layer ``layer``, None for a layer the calibration leaves whole."""
-        layers = self.settings.get("layers")
-        if layers is None:
-            return layer if 0 <= layer < self.num_layers else None
-        return layers.index(layer) if layer in layers else None
+    @property
+    def rows(self) -> dict[int, int]:
+        """Model layer -> its row; a layer without one (a hybrid model's sliding-window layer)
+        is left whole."""
+        return {layer: row for row, layer in enumerate(self.layers)}
 
     @property
     def num_kv_heads(self) -> int:

@@ -41,7 +41,7 @@ class FdcTransform(HeadTransform):
         self.qk_mask = (dims < calibration.qk_rank[..., None]).to(device=device, dtype=torch.float32)
         self.v_mask = (dims < calibration.v_rank[..., None]).to(device=device, dtype=torch.float32)
         # Model layer -> row; a layer without one (a hybrid model's sliding-window layer) stays whole.
-        self.rows = {layer: row for row, layer in enumerate(calibration.layers)}
+        self.rows = calibration.rows
 
     def project(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         if layer not in self.rows:

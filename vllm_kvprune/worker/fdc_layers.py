@@ -66,7 +66,7 @@ class FdcLayers:
                           for heads in every_rank) / granule) * granule
             for index in range(calibration.num_layers)]
         # Model layer -> row of `layers` (every layer, or a hybrid model's full-attention ones).
-        self.rows = {layer: row for row, layer in enumerate(calibration.layers)}
+        self.rows = calibration.rows
         # The four projections around attention (`worker/fdc_projections.py`): torch's einsums
         # until `to()` picks what KVPRUNE_FDC_PROJECTIONS asks for on the cache's device.
         self.projections: FdcProjections = EinsumProjections(self.layers)
