@@ -57,7 +57,7 @@ def essay_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
 def run(model: str, policy: dict | None, prompts: list[list[int]], max_tokens: int) -> dict:
     from vllm import LLM, SamplingParams
 
-    from vllm_kvprune.vllm_hooks import SlidingWindowSpec, single_type_managers
+    from vllm_kvprune.engine.scheduler import growing_managers, held_blocks
 
     config = {"kv_policy": policy} if policy else {}
     llm = LLM(model=model, dtype="bfloat16", enforce_eager=True, block_size=BLOCK_SIZE, max_model_len=8192,
@@ -68,7 +68,7 @@ def run(model: str, policy: dict | None, prompts: list[list[int]], max_tokens: i
     groups = scheduler.kv_cache_config.kv_cache_groups
     # Every group's block is a page of the same number of layers, all of one size (vLLM's hybrid pool).
     page_bytes = groups[0].kv_cache_spec.page_size_bytes * len(groups[0].layer_names)
-    growing = [m for m in single_type_managers(scheduler) if not isinstance(m.kv_cache_spec, SlidingWindowSpec)]
+    growing = growing_managers(scheduler)  # all but a hybrid model's sliding-window groups
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         core.add_request(str(i), {"prompt_token_ids": prompt}, params)
@@ -78,8 +78,8 @@ def run(model: str, policy: dict | None, prompts: list[list[int]], max_tokens: i
             if output.finished:
                 texts[output.request_id] = output.outputs[0].text
         peak_blocks = max(peak_blocks, pool.num_gpu_blocks - 1 - pool.get_num_free_blocks())
-        peak_growing = max(peak_growing, sum(1 for m in growing for blocks in m.req_to_blocks.values()
-                                             for block in blocks if not block.is_null))
+        peak_growing = max(peak_growing, sum(held_blocks(scheduler, request_id, growing)
+                                             for request_id in scheduler.requests))
     seconds = time.perf_counter() - start
     core.engine_core.shutdown()
     return {"peak_blocks": peak_blocks, "peak_bytes": peak_blocks * page_bytes,

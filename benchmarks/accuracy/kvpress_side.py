@@ -103,6 +103,7 @@ def run_press(model: str, spec: dict[str, Any], work: Sequence[tuple[Task, list[
     press = spec.get("label", spec["name"])
     constructor = {key: value for key, value in spec.items() if key != "label"}
     records, timings = [], []
+    full = full_attention_layers(model)
     for task, cases in work:
         runs = matched_runs(cases, None if press == "none" else task.budgets)
         job = {"model": model, "prompts": [case.prompt_ids for case, _ in runs], "max_new_tokens": max(
@@ -117,7 +118,6 @@ def run_press(model: str, spec: dict[str, Any], work: Sequence[tuple[Task, list[
         timings.append({"system": KVPRESS, "method": press, "task": task.name, "seconds": seconds, "runs": len(runs),
                         "wall_seconds": time.perf_counter() - started, "versions": result.get("versions"),
                         "cases": "kvpress"})
-        full = full_attention_layers(model)
         for (case, budget), generated in zip(runs, result["results"]):
             # The budget binds the full-attention layers; a hybrid model's sliding layers hold at
             # most their window, whatever the press keeps of it.

@@ -78,15 +78,11 @@ def build_engine(model: str, policy: str, budget: int | None, sinks: int, pool_g
     return LLM(**options)
 
 
-def full_block_size(kv_cache_config: Any) -> int:
+def full_block_size(scheduler: Any) -> int:
     """Tokens per block of the full-attention layers' KV-cache group(s) (not a sliding window's)."""
-    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+    from vllm_kvprune.engine.scheduler import growing_managers
 
-    from vllm_kvprune import vllm_hooks
-
-    sizes = [vllm_hooks.group_spec(group).block_size for group in kv_cache_config.kv_cache_groups
-             if not isinstance(vllm_hooks.group_spec(group), SlidingWindowSpec)]
-    return max(sizes)
+    return max(manager.kv_cache_spec.block_size for manager in growing_managers(scheduler))
 
 
 def sampling_params(case: Case, settings: dict[str, Any]):
@@ -174,9 +170,9 @@ def run_policy(model: str, policy: str, work: Sequence[tuple[Task, list[Case]]],
     all_budgets = {b for task, _ in work for b in task.budgets}
     llm = build_engine(model, policy, max(all_budgets) if policy not in WHOLE_CACHE else None, sinks, pool_gib,
                        policy_config, **overrides)
-    manager = common.engine_scheduler(llm).kv_cache_manager
-    pool_blocks = manager.block_pool.num_gpu_blocks
-    pool_full_tokens = pool_blocks * full_block_size(manager.kv_cache_config)
+    scheduler = common.engine_scheduler(llm)
+    pool_blocks = scheduler.kv_cache_manager.block_pool.num_gpu_blocks
+    pool_full_tokens = pool_blocks * full_block_size(scheduler)
     records, timings = [], []
     try:
         for task, cases in work:

@@ -336,25 +336,35 @@ def model_block_shares(scheduler) -> list[float]:
     return layer_shares(scheduler.kv_cache_config.kv_cache_groups)
 
 
+def _model_groups(scheduler, growing_only: bool = False) -> list[tuple[float, object]]:
+    """(`layer_shares` share, manager) of every KV-cache group, or only of those whose memory grows
+    with the context (all but a hybrid model's sliding windows, vLLM's, bounded by the window
+    under every policy)."""
+    return [(share, manager) for share, manager in zip(model_block_shares(scheduler),
+                                                       vllm_hooks.single_type_managers(scheduler))
+            if not (growing_only and isinstance(manager.kv_cache_spec, SlidingWindowSpec))]
+
+
 def held_model_blocks(scheduler, request_id: str) -> float:
     """Real blocks a request holds, in blocks of the whole model (a page of every layer): with a
     KV-cache group per layer, its layer pages over the number of layers. What compares a policy
     with per-layer tables (`gvote`) with one that has one table (`none`)."""
-    return sum(share * held_blocks(scheduler, request_id, [manager])
-               for share, manager in zip(model_block_shares(scheduler), vllm_hooks.single_type_managers(scheduler)))
+    return sum(share * held_blocks(scheduler, request_id, [manager]) for share, manager in _model_groups(scheduler))
+
+
+def growing_managers(scheduler) -> list:
+    """The managers of the KV-cache groups whose memory grows with the context (`_model_groups`)."""
+    return [manager for _, manager in _model_groups(scheduler, growing_only=True)]
 
 
 def growing_share(scheduler) -> float:
     """The share of the model's layers whose memory grows with the context (`held_growing_blocks`'
     groups): 1 without sliding windows; 3 / 18 on Gemma-3-270M."""
-    return sum(share for share, manager in zip(model_block_shares(scheduler), vllm_hooks.single_type_managers(scheduler))
-               if not isinstance(manager.kv_cache_spec, SlidingWindowSpec))
+    return sum(share for share, _ in _model_groups(scheduler, growing_only=True))
 
 
 def held_growing_blocks(scheduler, request_id: str) -> float:
-    """`held_model_blocks` over the KV-cache groups whose memory grows with the context: all but a
-    hybrid model's sliding windows (vLLM's, bounded by the window under every policy). What
+    """`held_model_blocks` over the KV-cache groups whose memory grows with the context. What
     compares a policy's memory with a press that also cuts the sliding layers below their window."""
     return sum(share * held_blocks(scheduler, request_id, [manager])
-               for share, manager in zip(model_block_shares(scheduler), vllm_hooks.single_type_managers(scheduler))
-               if not isinstance(manager.kv_cache_spec, SlidingWindowSpec))
+               for share, manager in _model_groups(scheduler, growing_only=True))
