@@ -123,15 +123,8 @@ def run(args: argparse.Namespace) -> int:
 
 def render(results_dir: Path, page_path: Path) -> str:
     """Write the page from the JSON files in `results_dir`; returns its text."""
-    documents: list[tuple[str, dict[str, Any]]] = []
-    accuracy_parts = [ABOUT_ACCURACY]
-    for task in ACCURACY_TASKS:
-        path = results_dir / f"accuracy_{task}.json"
-        if path.is_file():
-            document = sections.load(path)
-            documents.append((path.name, document))
-            accuracy_parts.append(accuracy_section(task, document, path, page_path.parent))
-    accuracy_parts.append(gvote_sweeps_section(documents, results_dir, page_path.parent))
+    documents, suite_parts = model_accuracy_parts(results_dir, page_path.parent) or ([], [])
+    accuracy_parts = [ABOUT_ACCURACY, *suite_parts]
     suite_seconds = max((d["settings"].get("run_s", 0) for _, d in documents), default=0)
     for folder, title in ACCURACY_RUNS_APART.items():  # runs of a few tasks and policies, each in a folder
         for task in ACCURACY_TASKS:
