@@ -35,7 +35,17 @@ def _document(results_dir: Path, name: str) -> Mapping[str, Any] | None:
 
 def _machine(document: Mapping[str, Any]) -> str:
     machine = document.get("machine", {})
-    return f"{machine.get('cpu_model', '?')}, {machine.get('usable_cores', '?')} cores"
+    return f"{machine.get('cpu_model', '?')}{_vector_isa(machine)}, {machine.get('usable_cores', '?')} cores"
+
+
+def _vector_isa(machine: Mapping[str, Any]) -> str:
+    """The widest vector unit the CPU has (what decides how fast vLLM's CPU kernels and torch's
+    bf16 linears run), or nothing for files that did not record the flags."""
+    flags = set(machine.get("cpu_key_flags") or machine.get("cpu_flags") or ())
+    if not flags:
+        return ""
+    isa = "AVX-512" if "avx512f" in flags else "AVX2 only" if "avx2" in flags else "no AVX2"
+    return f" ({isa}{', AMX' if any(f.startswith('amx') for f in flags) else ''})"
 
 
 def kv_update_speedup(name: str, batch: int, heads: int, head_dim: int) -> Ours:
@@ -198,6 +208,7 @@ def ttft_section(path: Path, doc_dir: Path) -> str:
         setup += " `KVPRUNE_FUSED_MASS=0`: h2o's prompt mass in a pass of its own after vLLM's attention."
     if settings.get("note"):
         setup += f" {settings['note']}"
+    setup += f" Machine: {_machine(document)}."
     return sections.file_section(f"Time to first token (`{path.name}`)", document, setup,
                                  sections.markdown_table(*ttft.table(document.get("results", []))), [], path, doc_dir)
 
