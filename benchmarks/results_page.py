@@ -207,10 +207,12 @@ def render(results_dir: Path, page_path: Path) -> str:
         documents.append((ray_batch.name, sections.load(ray_batch)))
         parts += ["## Scaling out: Ray batch job", sections.ray_batch_section(ray_batch, page_path.parent)]
 
-    loaded = results_dir / "load.json"
-    if loaded.is_file():
-        documents.append((loaded.name, sections.load(loaded)))
-        parts += ["## Load and bad input", sections.load_section(loaded, page_path.parent)]
+    load_runs = sorted(results_dir.glob("load*.json"))  # load.json, then later runs of some policies
+    if load_runs:
+        parts.append("## Load and bad input")
+        for loaded in load_runs:
+            documents.append((loaded.name, sections.load(loaded)))
+            parts.append(sections.load_section(loaded, page_path.parent))
 
     # One section per GPU the kernels ran on (kernels_<gpu>.json), then the fdc tile sweeps.
     gpu_parts = [results_gpu.gpu_section(path, page_path.parent)

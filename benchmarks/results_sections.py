@@ -466,7 +466,7 @@ def load_section(path: Path, doc_dir: Path) -> str:
              "yes" if r["greedy_identical"] else "no", f"{r['seconds']:.0f}"] for r in document.get("results", [])]
     notes = ["Passed (no 5xx, nothing lost or short, every bad request named, the pool empty, the greedy "
              "request unchanged): " + ("yes" if document.get("passed") else "NO")]
-    return file_section("Load and bad input (`load.json`)", document, setup, markdown_table(LOAD_HEADERS, rows),
+    return file_section(f"Load and bad input (`{path.name}`)", document, setup, markdown_table(LOAD_HEADERS, rows),
                         notes, path, doc_dir)
 
 

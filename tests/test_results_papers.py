@@ -143,3 +143,21 @@ def test_attention_mass_section_shows_every_case_and_the_build(path: Path, tmp_p
     for line, result in zip(rows, document["results"]):
         cells = [cell.strip() for cell in line.strip("|").split("|")]
         assert cells[:2] == [result["case"], result["dtype"]] and cells[4] == f"{result['median_ms']:.2f}"
+
+
+@pytest.mark.parametrize("path", sorted(RESULTS.glob("ttft*.json")), ids=lambda path: path.name)
+def test_ttft_section_names_the_machines_vector_unit(path: Path, tmp_path) -> None:
+    """A TTFT ratio depends on the CPU's vector unit (vLLM's kernels and torch's bf16 linears
+    differ between AVX-512 and AVX2-only machines): each run's section says which it had."""
+    document = json.loads(path.read_text())
+    flags = document["machine"]["cpu_key_flags"]
+    text = results_papers.ttft_section(path, tmp_path)
+    expected = "(AVX-512" if "avx512f" in flags else "(AVX2 only"
+    assert f"Machine: {document['machine']['cpu_model']} {expected}" in text
+
+
+def test_vector_isa_from_the_recorded_flags() -> None:
+    assert results_papers._vector_isa({"cpu_key_flags": ["avx2", "fma", "avx512f", "amx_tile"]}) == " (AVX-512, AMX)"
+    assert results_papers._vector_isa({"cpu_key_flags": ["avx2", "fma"]}) == " (AVX2 only)"
+    assert results_papers._vector_isa({"cpu_flags": ["sse4_2"]}) == " (no AVX2)"
+    assert results_papers._vector_isa({}) == ""  # files from before the flags were recorded

@@ -258,10 +258,11 @@ def test_targets_section_shows_every_kernel_on_every_target() -> None:
     assert f"Triton {document['triton']}" in text and document["machine"]["head"] in text
 
 
-def test_load_section_reads_every_policy_from_its_json() -> None:
-    path = RESULTS / "load.json"
+@pytest.mark.parametrize("path", sorted(RESULTS.glob("load*.json")), ids=lambda path: path.name)
+def test_load_section_reads_every_policy_from_its_json(path: Path) -> None:
     document = json.loads(path.read_text())
     section = sections.load_section(path, DOC_DIR)
+    assert f"(`{path.name}`)" in section
     rows = {row[0]: row for row in body_rows(section)}
     assert set(rows) == {result["policy"] for result in document["results"]}
     for result in document["results"]:
