@@ -69,9 +69,10 @@ kvpress on the first 10 cases of each task; the run was reported after kvpress's
 kvpress's other three presses (ObservedAttentionPress, KnormPress, SnapKVPress) ran later on
 kv_retrieval alone (`--tasks kv_retrieval --resume`, every other method's records taken from the
 first run), on an AVX2-only machine where bf16 is emulated: the needle and arithmetic tasks have
-only kvpress's full cache and StreamingLLMPress, and kvpress's s/run mixes the two machines. A base model has no chat template: each prompt is plain text, the
-tokenizer's start token first, the question after the context, and the needle's answer cued by "The
-special magic number mentioned in the text above is" (`task.plain_prompt`, `chat_prompt`).
+only kvpress's full cache and StreamingLLMPress, and kvpress's s/run mixes the two machines. A base
+model has no chat template: each prompt is plain text, the tokenizer's start token first, the
+question after the context, and the needle's answer cued by "The special magic number mentioned in
+the text above is" (`task.plain_prompt`, `chat_prompt`).
 
 Gemma-3 is hybrid: 15 sliding-window layers (window 512) and 3 full-attention layers (1 KV head of
 size 256 each). Our policies prune the 3 full-attention layers, the memory that grows with the context,
