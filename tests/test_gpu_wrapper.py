@@ -44,14 +44,14 @@ def policy_cases(model: str) -> dict[str, dict]:
         # (R = 1), a second budget, a prompt shorter than the sinks.
         "streaming": case({"name": "streaming", "budget": 64, "sinks": SINKS, "prune_interval": 8,
                            "positions": "cache", "prefill": "full"},
-                          (3, 100, 150), [{}, {"kv_prune_interval": 1}, {"kv_budget": 96}], 16),
+                          (3, 100, 150), [{}, {"kv_prune_interval": 1}, {"kv_budget": 96}], 10),
         # Attention mass on the device (our Triton kernel, fused with decode attention), victims
         # chosen on the host from the requests' slots, per-head writes and moves.
         "h2o": case({"name": "h2o", "budget": 64, "sinks": SINKS, "prune_interval": 1},
                     (20, 150), [{}, {"kv_prune_interval": 4}], 32),
         # Token scores written beside the cache on the device, per-layer block tables.
         "paged_eviction": case({"name": "paged_eviction", "budget": 96, "sinks": SINKS, "prune_interval": 1},
-                               (150, 200), [{}, {}], 24),
+                               (150, 200), [{}, {}], 12),
         # Head-pages on vLLM's HND layout: the vote on the device, each (request, KV head) its
         # own sequence through vLLM's Triton kernel, blocks the vote gives back.
         # (A voted request may keep all of max_model_len: the pool must hold one such.)
