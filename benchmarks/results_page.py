@@ -66,10 +66,10 @@ seed, cases and budgets as the SmolLM2 run above, cut to fit this machine's time
 costs several SmolLM2 ones here, its vocabulary being 262K): no perplexity task (2,048 forced tokens
 per segment and budget), needle contexts 1K and 3K, `gvote` at p = 0.9 / 0.95 / 0.99 (S = 8), and
 kvpress on the first 10 cases of each task; the run was reported after kvpress's StreamingLLMPress.
-kvpress's other three presses (ObservedAttentionPress, KnormPress, SnapKVPress) ran later on
-kv_retrieval alone (`--tasks kv_retrieval --resume`, every other method's records taken from the
-first run), on an AVX2-only machine where bf16 is emulated: the needle and arithmetic tasks have
-only kvpress's full cache and StreamingLLMPress, and kvpress's s/run mixes the two machines. A base
+kvpress's other three presses (ObservedAttentionPress, KnormPress, SnapKVPress) ran later, a task
+at a time (`--tasks kv_retrieval --resume`, then `--tasks needle --resume`, every other method's
+records taken from the first run), on an AVX2-only machine where bf16 is emulated: the arithmetic
+task has only kvpress's full cache and StreamingLLMPress, and kvpress's s/run mixes the two machines. A base
 model has no chat template: each prompt is plain text, the tokenizer's start token first, the
 question after the context, and the needle's answer cued by "The special magic number mentioned in
 the text above is" (`task.plain_prompt`, `chat_prompt`).
