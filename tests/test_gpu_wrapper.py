@@ -33,9 +33,11 @@ def policy_cases(model: str) -> dict[str, dict]:
     """One engine per policy the GPU wrapper runs, each with requests that evict in decode
     and prune their prompt (gvote and fdc on the HND layout they ask for). Few tokens: vLLM's
     Triton attention is slow in the interpreter (about 3 s a step here; h2o's decode runs our
-    kernel instead). vLLM decodes a few sequences with its split-keys (3D) kernel, 16 times the
-    programs of its 2D one: the cases that decode most through vLLM's kernel (`streaming`,
-    `paged_eviction`) take the 2D kernel (`split_keys_decode`), the others keep vLLM's choice."""
+    kernel instead), and short prompts: its prefill programs grow with the square of a prompt's
+    length, and every kernel that writes the cache runs a program per token. vLLM decodes a few
+    sequences with its split-keys (3D) kernel, 16 times the programs of its 2D one: `streaming`,
+    `paged_eviction` and `snapkv` take the 2D kernel (`split_keys_decode`); `gvote` (each
+    (request, KV head) its own sequence) keeps vLLM's choice, so the 3D path is run too."""
     def case(policy, lengths, overrides, max_tokens, block_size=32, seed=3, kv_blocks=64, split_keys_decode=True):
         return dict(model=model, policy=policy, max_tokens=max_tokens, block_size=block_size, kv_blocks=kv_blocks,
                     split_keys_decode=split_keys_decode,
@@ -47,33 +49,37 @@ def policy_cases(model: str) -> dict[str, dict]:
         # (R = 1), a second budget, a prompt shorter than the sinks.
         "streaming": case({"name": "streaming", "budget": 64, "sinks": SINKS, "prune_interval": 8,
                            "positions": "cache", "prefill": "full"},
-                          (3, 100, 150), [{}, {"kv_prune_interval": 1}, {"kv_budget": 96}], 10,
+                          (3, 80, 120), [{}, {"kv_prune_interval": 1}, {"kv_budget": 96}], 10,
                           split_keys_decode=False),
         # Attention mass on the device (our Triton kernel, fused with decode attention), victims
-        # chosen on the host from the requests' slots, per-head writes and moves.
+        # chosen on the host from the requests' slots, per-head writes and moves. The long prompt
+        # is pruned to the budget and evicts at every 4th of its 12 tokens; the short one never
+        # reaches the budget (its mass is accumulated all the same).
         "h2o": case({"name": "h2o", "budget": 64, "sinks": SINKS, "prune_interval": 1},
-                    (20, 150), [{}, {"kv_prune_interval": 4}], 32),
+                    (20, 100), [{}, {"kv_prune_interval": 4}], 12),
         # Token scores written beside the cache on the device, per-layer block tables.
         "paged_eviction": case({"name": "paged_eviction", "budget": 96, "sinks": SINKS, "prune_interval": 1},
-                               (150, 200), [{}, {}], 12, split_keys_decode=False),
+                               (110, 140), [{}, {}], 12, split_keys_decode=False),
         # Head-pages on vLLM's HND layout: the vote on the device, each (request, KV head) its
         # own sequence through vLLM's Triton kernel, blocks the vote gives back.
         # (A voted request may keep all of max_model_len: the pool must hold one such.)
-        "gvote": case({"name": "gvote", "gvote_p": 0.3, "gvote_samples": 4}, (40, 150), [{}, {}], 8, kv_blocks=136),
+        "gvote": case({"name": "gvote", "gvote_p": 0.3, "gvote_samples": 4}, (40, 100), [{}, {}], 8, kv_blocks=136),
         # The prompt scored by its last queries (window 16, kernel 5) from keys read back
         # from vLLM's cache, per-head writes and moves; a prompt shorter than the window's room.
-        "snapkv": case({"name": "snapkv", "budget": 64, "snapkv_window": 16}, (20, 150), [{}, {"kv_snapkv_kernel": 3}], 8),
+        "snapkv": case({"name": "snapkv", "budget": 64, "snapkv_window": 16}, (20, 100), [{}, {"kv_snapkv_kernel": 3}], 8,
+                         split_keys_decode=False),
         # The packed narrow cache (rate 0.1: heads of unequal ranks) on the HND layout, our
         # Triton reduced-space attention (prefill and decode); the calibration is the fixture's.
         "fdc": case({"name": "fdc", "fdc": None}, (40, 100), [{}, {}], 8, kv_blocks=136),
         # FDC under eviction (FDC's "KF-F"): narrow writes to planned slots, the prompt pruned
-        # after its last chunk and the window slid in decode, narrow tokens moved on the device.
+        # after its last chunk and the window slid in decode (the 40-token prompt from its 9th
+        # token), narrow tokens moved on the device.
         "streaming_fdc": case({"name": "streaming", "budget": 48, "sinks": SINKS, "prefill": "full", "fdc": None},
-                              (60, 30), [{}, {}], 24),
+                              (60, 40), [{}, {}], 12),
         # Beyond the Llama family: Qwen3 (q/k norms before RoPE, GQA, head size 64) with h2o's
         # fused kernel and per-head moves.
         "h2o_qwen3": {**case({"name": "h2o", "budget": 64, "sinks": SINKS, "prune_interval": 1},
-                             (20, 150), [{}, {"kv_prune_interval": 4}], 24), "model": model_dir("qwen3")},
+                             (20, 100), [{}, {"kv_prune_interval": 4}], 24), "model": model_dir("qwen3")},
     }
 
 
@@ -134,17 +140,13 @@ def flash_runs(tiny_model, fdc_calibration, tmp_path_factory, request):
     """The FLASH_ATTN wrapper's engines, in one subprocess."""
     cases = _suite_cases(_with_calibration({name: case for name, case in policy_cases(tiny_model).items()
                                             if name in FLASH_CASES}, fdc_calibration), FLASH_HEAVY, request.config)
-    # h2o's decode runs our fused kernel on either backend (interpreted: 1 s a token here);
-    # FA's part is its prompt, so fewer decode tokens (still evicting every step).
-    if "h2o" in cases:
-        cases["h2o"]["max_tokens"] = 12
     return cases, _run_engines(cases, tmp_path_factory.mktemp("flash_wrapper"), "FLASH_ATTN")
 
 
-# Seconds each case's engine takes in the interpreter on a 2-core CI machine (one core each;
-# 2026-11-27), to split the cases evenly over the machine's cores. Only the balance depends on it.
-CASE_SECONDS = {"streaming": 87, "h2o": 42, "paged_eviction": 105, "gvote": 31, "fdc": 6, "streaming_fdc": 9,
-                "h2o_qwen3": 40, "snapkv": 57}
+# Seconds each case's engine takes in the interpreter on a 2-core CI machine (one core each, AVX2
+# only; 2026-11-29), to split the cases evenly over the machine's cores. Only the balance depends on it.
+CASE_SECONDS = {"streaming": 54, "h2o": 52, "paged_eviction": 69, "gvote": 45, "fdc": 15, "streaming_fdc": 15,
+                "h2o_qwen3": 45, "snapkv": 35}
 
 
 def _split(names: list[str], parts: int) -> list[list[str]]:
@@ -195,10 +197,14 @@ def _own_reference_model(model: str):
 
 
 def _assert_matches_the_reference(reference_model, name: str, case: dict, run: dict) -> None:
-    for request, got in zip(case["requests"], run["results"]):
+    from vllm_kvprune.reference.budgeted import generate_together
+
+    references = [reference_for(reference_model, case["policy"], request["extra_args"] or {}, case["block_size"])
+                  for request in case["requests"]]
+    expected_outputs = generate_together([(reference, request["prompt"]) for reference, request
+                                          in zip(references, case["requests"])], case["max_tokens"])
+    for request, got, reference, expected in zip(case["requests"], run["results"], references, expected_outputs):
         prompt, override = request["prompt"], request["extra_args"] or {}
-        reference = reference_for(reference_model, case["policy"], override, case["block_size"])
-        expected = reference.generate(prompt, case["max_tokens"], prompt_logprobs=False)
         if name == "gvote":  # heads of one request kept different lengths: head-pages were exercised
             assert (reference.kept_lengths != reference.kept_lengths[0, 0]).any()
         assert got["token_ids"] == expected.token_ids, f"prompt of {len(prompt)}, {override}"

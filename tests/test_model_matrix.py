@@ -113,18 +113,21 @@ def assert_policy_group_capped(llm, policy: dict) -> None:
                 assert len(held) <= cap
 
 
-# The quick subset (-m "not slow") keeps every refusal, one reference-covered architecture and
+# The quick subset (-m "not slow") keeps the suite's refusals, one reference-covered architecture and
 # one hybrid one.
 QUICK = ("qwen2", "gemma2")
-# The suite serves every policy on those two and `streaming` on every architecture, with its
+# The suite serves every policy on those two and `streaming` on every other architecture, with its
 # sinks re-anchored by the layer's RoPE (`streaming-cache`; plain `streaming` where there is no
 # RoPE): that is where an architecture's attention features meet our path (RoPE style, norms,
-# biases, windows). The other policies on the other architectures repeat the engine tests'
-# checks on more models (--heavy); each refusal always runs.
+# biases, windows). The tiny Llama is the engine tests' own model, served there at every setting.
+# The other policies on the other architectures repeat the engine tests' checks on more models
+# (--heavy). Every refusal particular to a policy always runs.
 SUITE_POLICY = "streaming-cache"
 
 
 def _in_suite(architecture: str, policy: str) -> bool:
+    if architecture == "llama":  # the engine tests' own model: tests/test_streaming_engine.py serves it
+        return False
     if policy == SUITE_POLICY:
         return True
     return policy == "streaming" and (architecture, SUITE_POLICY) in REFUSED
@@ -135,9 +138,16 @@ def _in_suite(architecture: str, policy: str) -> bool:
 SPREAD_IN_SUITE = {"snapkv-pyramid": "gemma2", "h2o-adaptive": "qwen2"}
 
 
+# Architectures that no policy runs on: the refusal is one check for every policy, so the suite
+# asks two policies (one on shared block tables, one on a KV-cache group per layer), the rest
+# with --heavy.
+REFUSED_FOR_ALL = ("mistral", "bloom", "llama-fp8")
+REFUSAL_IN_SUITE = ("streaming", "snapkv-pyramid")
+
+
 def _marks(architecture: str, policy: str) -> tuple:
     if (architecture, policy) in REFUSED:
-        return ()
+        return (pytest.mark.heavy,) if architecture in REFUSED_FOR_ALL and policy not in REFUSAL_IN_SUITE else ()
     if policy in SPREAD_IN_SUITE and architecture != SPREAD_IN_SUITE[policy]:
         return (pytest.mark.slow, pytest.mark.heavy)
     if architecture in QUICK:

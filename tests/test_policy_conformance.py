@@ -26,7 +26,7 @@ import pytest
 
 from conftest import (BLOCK_SIZE, POLICY_CASES as CASES, engine, policy_reference, policy_settings as settings_of,
                       runner_of, scheduler_of)
-from test_streaming_engine import all_blocks_free, assert_same_as, greedy, prompts, run_steps
+from test_streaming_engine import all_blocks_free, assert_each_same_as, assert_same_as, greedy, prompts, run_steps
 
 from vllm_kvprune.policies import REGISTRY
 
@@ -93,8 +93,8 @@ def test_mixed_settings_in_one_batch_each_match_the_reference(policy_run, refere
     requests = [(prompt, override) for override in overrides for prompt in prompt_ids]
     outputs = llm.generate([{"prompt_token_ids": prompt} for prompt, _ in requests],
                            [greedy(NUM_TOKENS, **override) for _, override in requests], use_tqdm=False)
-    for (prompt, override), output in zip(requests, outputs):
-        assert_same_as(reference_for(reference_model, config, override), [output], [prompt], NUM_TOKENS)
+    assert_each_same_as([reference_for(reference_model, config, override) for _, override in requests], outputs,
+                        [prompt for prompt, _ in requests], NUM_TOKENS)
     assert all_blocks_free(llm)
 
 
@@ -131,9 +131,8 @@ def test_preemption_and_recompute_match_the_reference(policy_run, reference_mode
     finished = run_steps(llm, prompt_ids, params, on_step=watch)
     assert preempted, "the workload was meant to outgrow the pool"
     assert preempted <= set(finished) and len(finished) == len(prompt_ids)
-    for request_id in sorted(preempted):
-        assert_same_as(reference_for(reference_model, config, override), [finished[request_id]],
-                       [prompt_ids[int(request_id)]], GROW_TOKENS)
+    assert_same_as(reference_for(reference_model, config, override), [finished[i] for i in sorted(preempted)],
+                   [prompt_ids[int(i)] for i in sorted(preempted)], GROW_TOKENS)
     assert all_blocks_free(llm)
     ours, vllms = (after - start for after, start in zip(preemption_counts(llm), before))
     assert ours == vllms > 0, "the policy's preemption metric counts what vLLM's does"

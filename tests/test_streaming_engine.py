@@ -40,9 +40,20 @@ def assert_matches_reference(outputs, prompt_ids, model, **policy):
 
 
 def assert_same_as(reference, outputs, prompt_ids, num_tokens: int) -> None:
-    """The engine's greedy tokens equal the reference's, logprobs within 1e-3."""
-    for prompt, output in zip(prompt_ids, outputs):
-        expected = reference.generate(prompt, num_tokens, prompt_logprobs=False)
+    """The engine's greedy tokens equal the reference's, logprobs within 1e-3 (the prompts'
+    reference generations run side by side: `generate_each`)."""
+    _assert_each_matches(reference.generate_each(prompt_ids, num_tokens), outputs, prompt_ids)
+
+
+def assert_each_same_as(references, outputs, prompt_ids, num_tokens: int) -> None:
+    """`assert_same_as` with a reference of its own for each output (one object each)."""
+    from vllm_kvprune.reference.budgeted import generate_together
+
+    _assert_each_matches(generate_together(list(zip(references, prompt_ids)), num_tokens), outputs, prompt_ids)
+
+
+def _assert_each_matches(expected_outputs, outputs, prompt_ids) -> None:
+    for prompt, output, expected in zip(prompt_ids, outputs, expected_outputs, strict=True):
         token_ids, logprobs = tokens_and_logprobs(output)
         first_diff = next((i for i, (a, b) in enumerate(zip(token_ids, expected.token_ids)) if a != b), None)
         assert first_diff is None, (

@@ -12,15 +12,16 @@ equal, the *oldest* token (lowest cache index) is evicted first.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Generator, Sequence
 
 import torch
 from torch import nn
 
 from .model import ContiguousKVCache, HeadTransform, StepOutput, _decoder, compute_logits, forward_step
 
-__all__ = ["BudgetedReference", "PromptKeepReference", "ReferenceOutput", "lowest_scores_first"]
+__all__ = ["BudgetedReference", "PromptKeepReference", "ReferenceOutput", "generate_together", "lowest_scores_first"]
 
 POSITION_MODES = ("original", "cache")
 PREFILL_MODES = ("full", "streaming")
@@ -177,11 +178,24 @@ class BudgetedReference:
         c = self.prefill_chunk
         return [list(prompt_ids[i : i + c]) for i in range(0, len(prompt_ids), c)]
 
-    @torch.inference_mode()
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *, prompt_logprobs: bool = True) -> ReferenceOutput:
         """Prefill ``prompt_ids`` and generate ``max_new_tokens`` greedy tokens (EOS ignored).
 
         Greedy ties (exactly equal logits) go to the lowest token id (``torch.argmax``)."""
+        return generate_together([(self, prompt_ids)], max_new_tokens, prompt_logprobs=prompt_logprobs)[0]
+
+    def generate_each(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[ReferenceOutput]:
+        """:meth:`generate` of each prompt at this reference's settings, side by side (one copy of
+        the reference per prompt: this object's own state is left as it was)."""
+        return generate_together([(copy.copy(self), prompt) for prompt in prompts], max_new_tokens,
+                                 prompt_logprobs=False)
+
+    @torch.inference_mode()
+    def _generation(self, prompt_ids: Sequence[int], max_new_tokens: int,
+                    prompt_logprobs: bool) -> Generator[torch.Tensor, torch.Tensor, ReferenceOutput]:
+        """:meth:`generate`'s steps: yields each step's last hidden state (``[1, hidden]``) and is
+        sent its fp32 logits (``[vocab]``) back, so a driver may project several generations'
+        states at once (:func:`generate_together`); returns the output."""
         prompt_ids = [int(t) for t in prompt_ids]
         if not prompt_ids:
             raise ValueError("empty prompt")
@@ -190,7 +204,6 @@ class BudgetedReference:
         self.reset()
         result = ReferenceOutput(prompt_logprobs=[None] if prompt_logprobs else None)
         start = 0
-        last_logits = None
         for chunk in self._prompt_chunks(prompt_ids):
             out = self.step(chunk)
             if prompt_logprobs:
@@ -202,9 +215,10 @@ class BudgetedReference:
                     tgt = torch.tensor(targets[r0:r1], device=lp.device)
                     result.prompt_logprobs.extend(lp.gather(1, tgt[:, None])[:, 0].tolist())
             start += len(chunk)
-            last_logits = compute_logits(self.model, out.hidden[-1:])[0]
+        if max_new_tokens == 0:
+            return result
 
-        logits = last_logits
+        logits = yield out.hidden[-1:]
         for t in range(max_new_tokens):
             top = torch.topk(logits, 2)
             token = int(torch.argmax(logits))
@@ -215,8 +229,43 @@ class BudgetedReference:
                 break
             out = self.step([token])
             result.kept_sizes.append(self.last_kept)
-            logits = compute_logits(self.model, out.hidden[-1:])[0]
+            logits = yield out.hidden[-1:]
         return result
+
+
+@torch.inference_mode()
+def generate_together(runs: Sequence[tuple[BudgetedReference, Sequence[int]]], max_new_tokens: int, *,
+                      prompt_logprobs: bool = False) -> list[ReferenceOutput]:
+    """Each ``(reference, prompt)``'s :meth:`BudgetedReference.generate`, the generations advanced
+    one token at a time side by side, each on its own reference object and cache; only the
+    projection to the vocabulary is shared, one product for the runs on the same model. (On a
+    small model it is most of a decode step: reading the vocabulary's weights costs as much for
+    one row as for a dozen.) The same tokens as one by one; logits may differ from the
+    one-row product's in the last bits."""
+    if len({id(reference) for reference, _ in runs}) < len(runs):
+        raise ValueError("one reference object per run (generate_each copies one for each prompt)")
+    generations = [reference._generation(prompt, max_new_tokens, prompt_logprobs) for reference, prompt in runs]
+    outputs: list[ReferenceOutput | None] = [None] * len(runs)
+    waiting: dict[int, torch.Tensor] = {}  # run -> its last hidden state, waiting for its logits
+
+    def advance(index: int, logits: torch.Tensor | None) -> None:
+        try:
+            waiting[index] = next(generations[index]) if logits is None else generations[index].send(logits)
+        except StopIteration as finished:
+            waiting.pop(index, None)
+            outputs[index] = finished.value
+
+    for index in range(len(runs)):
+        advance(index, None)
+    while waiting:
+        by_model: dict[int, list[int]] = {}
+        for index in waiting:
+            by_model.setdefault(id(runs[index][0].model), []).append(index)
+        for indices in by_model.values():
+            logits = compute_logits(runs[indices[0]][0].model, torch.cat([waiting[index] for index in indices]))
+            for row, index in enumerate(indices):
+                advance(index, logits[row])
+    return outputs
 
 
 class PromptKeepReference(BudgetedReference):
