@@ -240,8 +240,8 @@ def generate_together(runs: Sequence[tuple[BudgetedReference, Sequence[int]]], m
     one token at a time side by side, each on its own reference object and cache; only the
     projection to the vocabulary is shared, one product for the runs on the same model. (On a
     small model it is most of a decode step: reading the vocabulary's weights costs as much for
-    one row as for a dozen.) The same tokens as one by one; logits may differ from the
-    one-row product's in the last bits."""
+    one row as for a dozen.) A run's logits may differ from the one-row product's in the last
+    bits, so its greedy token could differ only where two logits tie to within those bits."""
     if len({id(reference) for reference, _ in runs}) < len(runs):
         raise ValueError("one reference object per run (generate_each copies one for each prompt)")
     generations = [reference._generation(prompt, max_new_tokens, prompt_logprobs) for reference, prompt in runs]
