@@ -133,6 +133,26 @@ def test_installed_gguf_matches_pin() -> None:
     assert assets.sha256_file(assets.gguf_path()) == assets.GGUF_SHA256
 
 
+@pytest.mark.tooling  # parses SmolLM2's GGUF once (seconds)
+def test_a_build_parses_each_gguf_once_and_restores_the_gguf_module() -> None:
+    import gguf
+
+    from tools.gguf_memo import gguf_parsed_once
+
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    path = assets.gguf_path()
+    with gguf_parsed_once():
+        first = gguf.GGUFReader(path)
+        with gguf_parsed_once():  # a nested build (SmolLM2's tokenizer inside its model) shares it
+            assert gguf.GGUFReader(str(path)) is first
+        assert gguf.GGUFReader(path) is first
+        arch = gguf.MODEL_ARCH.LLAMA
+        assert gguf.get_tensor_name_map(arch, 30) is gguf.get_tensor_name_map(arch, 30)
+    assert isinstance(first, reader_class) and first.fields["general.architecture"]
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader_class, name_map)
+    assert gguf.GGUFReader(path) is not first  # outside a build every call parses again
+
+
 # --------------------------------------------------------------------------------------------
 # Essays
 

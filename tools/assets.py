@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from tools.gguf_memo import gguf_parsed_once
 from vllm_kvprune import envs
 from vllm_kvprune.fdc import essays
 
@@ -320,7 +321,8 @@ def _ensure(name: str, source: dict[str, Any], build: Callable[[Path], None]) ->
         staging = assets_dir() / f".staging-{name}.{os.getpid()}"
         staging.mkdir()
         try:
-            build(staging)
+            with gguf_parsed_once():
+                build(staging)
             for path in _content_files(staging):
                 path.chmod(0o644)  # transformers writes safetensors 0600
             write_manifest(staging, source)

@@ -165,7 +165,7 @@ def _build_gemma(staging: Path) -> None:
     gguf_dir.mkdir()
     gguf = join_parts(gguf_dir)
     started = time.perf_counter()
-    assets._say(f"reading the tokenizer from {gguf.name} and dequantizing it (about a minute)")
+    assets._say(f"reading the tokenizer from {gguf.name} and dequantizing it (about 45 s)")
     _save_tokenizer(gguf, staging)
     model = AutoModelForCausalLM.from_pretrained(
         str(gguf_dir), gguf_file=str(gguf), quantization_config=GgufConfig(gguf_file=str(gguf), dequantize=True),
