@@ -19,7 +19,7 @@
 // over contiguous memory with compile-time KP / VP, which GCC vectorises.
 #include "attention_mass.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>

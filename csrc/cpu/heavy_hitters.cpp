@@ -2,7 +2,8 @@
 // outside the sinks and the recent window (see attention_mass.h for where the mass comes
 // from). One pass over each head's slots keeps the `count` best candidates in a small sorted
 // array, instead of masking, sorting or top-k'ing whole tensors.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 

@@ -23,7 +23,8 @@
 // the thread with the least work so far (FDC §5.3's decode schedule, longest-processing-time
 // first); `balanced = false` deals them in order, in equal-count chunks, for comparison.
 #include <ATen/Parallel.h>
-#include <torch/all.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cmath>
@@ -486,10 +487,10 @@ void run_task(const Task& task, const T* cache, int64_t block_size, int64_t bloc
 
 }  // namespace
 
-void reduced_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, const torch::Tensor& block_table,
-                       const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens,
-                       const torch::Tensor& k_ranks, const torch::Tensor& v_ranks, const torch::Tensor& k_offsets,
-                       const torch::Tensor& v_offsets, int64_t block_size, double scale, torch::Tensor& output,
+void reduced_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                       const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                       const at::Tensor& k_ranks, const at::Tensor& v_ranks, const at::Tensor& k_offsets,
+                       const at::Tensor& v_offsets, int64_t block_size, double scale, at::Tensor& output,
                        bool balanced) {
   TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 2 && output.dim() == 3, "reduced_attention: query [T, Hq, QW], "
               "kv_cache [blocks, block_size * W], output [T, Hq, VW]");

@@ -1,7 +1,8 @@
 // Batched slot writes, reads and moves for vLLM's CPU paged KV cache (see slot_ops.h).
 #include "slot_ops.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
