@@ -12,7 +12,7 @@ PY=$VENV/bin/python
 STAMP=$VENV/.kvprune-deps-v1
 export PIP_DISABLE_PIP_VERSION_CHECK=1 HF_HUB_OFFLINE=1
 
-log() { echo "[setup] $*"; }
+log() { echo "[setup ${SECONDS}s] $*"; }  # seconds since setup started: where its time goes
 # pip byte-compiles each wheel's modules one file at a time (about 27,000 files: minutes on a
 # 2-core machine); they are compiled once at the end instead, on every core. They must be: where
 # PYTHONDONTWRITEBYTECODE is set (as on our CI machines) nothing compiled on import is kept, and
@@ -56,8 +56,17 @@ SKIP_COMPILE='/(tests?|pip|numba|anthropic|mcp|sentry_sdk|dns)/'
 [ -z "$INSTALLED" ] || { log "byte-compiling the venv's modules"
 "$PY" -m compileall -q -j 0 -x "$SKIP_COMPILE" "$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null || true; }  # (a few torch test files use Python 3.12 syntax)
 
-log "installing vllm-kvprune (editable) and building its C++ extension"
-pip_install --no-build-isolation --no-deps -e "$ROOT"
+# pip builds the C++ extension from scratch on every editable install (a minute or two): only when
+# this folder is not the one installed, or the built extension is missing or older than a source.
+BUILT=$(ls "$ROOT"/vllm_kvprune/_C.*.so 2>/dev/null | head -1)
+if [ -n "$BUILT" ] && [ -z "$(find "$ROOT/csrc" "$ROOT/setup.py" "$ROOT/pyproject.toml" -newer "$BUILT" -print -quit)" ] \
+   && "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('vllm_kvprune').origin != sys.argv[1])" \
+        "$ROOT/vllm_kvprune/__init__.py" 2>/dev/null; then
+  log "vllm-kvprune is installed (editable) from here and its C++ extension is up to date"
+else
+  log "installing vllm-kvprune (editable) and building its C++ extension"
+  pip_install --no-build-isolation --no-deps -e "$ROOT"
+fi
 
 log "building the offline model and data"
 "$PY" -m tools.assets

@@ -11,7 +11,8 @@ KNorm, SnapKV) run the prompt tasks on
 the same prompts at matched kept-token counts, in their own venv (`scripts/setup_kvpress.sh`);
 `--reuse-kvpress` takes their records from the files of an earlier run with the same cases;
 `--resume` takes every method's records found there (ours and kvpress's, method by method) and
-runs only the methods missing, so a run can be extended by a policy or a press.
+runs only the methods missing, so a run can be extended by a policy or a press, or `gvote` by a
+setting (`gvote` then runs all its settings again; the other methods are reused).
 
 Each task prints its tables and writes `accuracy_<task>.json` and its plots to `--out-dir`.
 """
@@ -49,8 +50,16 @@ MODEL_NAMES = tuple(MODELS)
 # kvpress records are reused only where all of these match.
 KVPRESS_REUSE_KEYS = ("model", "tiny", "seed", "sinks", "dtype", "ppl_segments", "ppl_tokens", "needle_contexts", "needle_depths",
                       "kv_cases", "arith_cases", "kvpress_max_prompt", "kvpress_cases")
-# `--resume` also reuses our records: gvote's settings decide its runs.
-RESUME_KEYS = (*KVPRESS_REUSE_KEYS, "gvote_p", "gvote_samples")
+# `--resume` also reuses our records, a method's where they hold every run it would make: gvote's
+# are matched with their settings (`gvote_run_key`), so a new sweep point reruns gvote alone.
+RESUME_KEYS = KVPRESS_REUSE_KEYS
+
+
+def gvote_run_key(settings: dict[str, Any]) -> tuple[Any, Any]:
+    """A run's or a record's gvote setting ((None, None) for every other method): a record keeps
+    the run's `kv_gvote_*` settings without the prefix."""
+    return (settings.get("kv_gvote_p", settings.get("gvote_p")),
+            settings.get("kv_gvote_samples", settings.get("gvote_samples")))
 
 
 def build_tasks(args: argparse.Namespace) -> list[Task]:
@@ -155,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
     gvote = ours.gvote_settings(args.gvote_p, args.gvote_samples)
     partial = Path(args.out_dir) / "accuracy_partial.json"  # what a crash later in the run would lose
     for policy in ("none", *args.policies):
-        found = earlier and earlier.take(OURS, policy, [(t, [(r.case, r.budget) for r in ours.policy_runs(
+        found = earlier and earlier.take(OURS, policy, [(t, [(r.case, r.budget, r.settings) for r in ours.policy_runs(
             policy, t, cases, gvote)]) for t, cases in work])
         if found:
             records += found[0]
@@ -176,8 +185,8 @@ def run(args: argparse.Namespace) -> int:
         full_cache: dict = {}
         for spec in ({"name": "none"}, *specs.values()):
             press = spec.get("label", spec["name"])
-            found = earlier and earlier.take(KVPRESS, press, [(t, kvpress_side.matched_runs(
-                cases, None if press == "none" else t.budgets)) for t, cases in press_work])
+            found = earlier and earlier.take(KVPRESS, press, [(t, [(case, budget, {}) for case, budget in kvpress_side.matched_runs(
+                cases, None if press == "none" else t.budgets)]) for t, cases in press_work])
             if found:
                 records += found[0]
                 timings += found[1]
@@ -296,16 +305,18 @@ class Earlier:
     def __init__(self, args: argparse.Namespace) -> None:
         self.documents = {name: earlier_document(args, name, "--resume", RESUME_KEYS) for name in args.tasks}
 
-    def take(self, system: str, method: str, runs: list[tuple[Task, list[tuple[Case, int | None]]]],
+    def take(self, system: str, method: str,
+             runs: list[tuple[Task, list[tuple[Case, int | None, dict[str, Any]]]]],
              ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]] | None:
+        """`runs`: per task, (case, budget, per-request settings) of every run the method would make."""
         records, timings = [], []
-        for task, pairs in runs:
+        for task, wanted in runs:
             document = self.documents[task.name]
             mine = [r for r in document["results"] if r["system"] == system and r["method"] == method]
-            if not {(case.case_id, budget) for case, budget in pairs} <= {(r["case_id"], r["budget"]) for r in mine}:
+            keys = {(case.case_id, budget, *gvote_run_key(settings)) for case, budget, settings in wanted}
+            if not keys <= {(r["case_id"], r["budget"], *gvote_run_key(r)) for r in mine}:
                 return None
-            budgets = {None, *task.budgets}
-            records += [{**r, "resumed": True} for r in mine if r["budget"] in budgets]
+            records += [{**r, "resumed": True} for r in mine if (r["case_id"], r["budget"], *gvote_run_key(r)) in keys]
             timings += [t for t in document.get("timings", []) if t["system"] == system and t["method"] == method]
         print(f"[{system} {method}] records of the earlier run (--resume)", flush=True)
         return records, timings
