@@ -58,7 +58,8 @@ SKIP_COMPILE='/(tests?|pip|numba|anthropic|mcp|sentry_sdk|dns)/'
 
 # pip builds the C++ extension from scratch on every editable install (a minute or two): only when
 # this folder is not the one installed, or the built extension is missing or older than a source.
-BUILT=$(ls "$ROOT"/vllm_kvprune/_C.*.so 2>/dev/null | head -1)
+BUILT=
+for so in "$ROOT"/vllm_kvprune/_C.*.so; do [ ! -f "$so" ] || BUILT=$so; done  # (no match: the pattern itself)
 if [ -n "$BUILT" ] && [ -z "$(find "$ROOT/csrc" "$ROOT/setup.py" "$ROOT/pyproject.toml" -newer "$BUILT" -print -quit)" ] \
    && "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('vllm_kvprune').origin != sys.argv[1])" \
         "$ROOT/vllm_kvprune/__init__.py" 2>/dev/null; then
