@@ -61,8 +61,9 @@ SKIP_COMPILE='/(tests?|pip|numba|anthropic|mcp|sentry_sdk|dns)/'
 BUILT=
 for so in "$ROOT"/vllm_kvprune/_C.*.so; do [ ! -f "$so" ] || BUILT=$so; done  # (no match: the pattern itself)
 if [ -n "$BUILT" ] && [ -z "$(find "$ROOT/csrc" "$ROOT/setup.py" "$ROOT/pyproject.toml" -newer "$BUILT" -print -quit)" ] \
-   && "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('vllm_kvprune').origin != sys.argv[1])" \
-        "$ROOT/vllm_kvprune/__init__.py" 2>/dev/null; then
+   && (cd / && "$PY" -c "import importlib.metadata as m, importlib.util as u, sys; m.version('vllm-kvprune')
+sys.exit(u.find_spec('vllm_kvprune').origin != sys.argv[1])" "$ROOT/vllm_kvprune/__init__.py") 2>/dev/null; then
+  # (run from /: from here, `python -c` would find the package in the current folder, installed or not)
   log "vllm-kvprune is installed (editable) from here and its C++ extension is up to date"
 else
   log "installing vllm-kvprune (editable) and building its C++ extension"
