@@ -18,26 +18,20 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-_depth = 0  # nested builds (SmolLM2's model builds its tokenizer first) share the outer memo
-
-
 @contextlib.contextmanager
 def gguf_parsed_once() -> Iterator[None]:
     """Within the block, ``gguf.GGUFReader(path)`` returns one reader per (path, mode) and
     ``gguf.get_tensor_name_map(arch, n_blocks)`` one map per argument pair. transformers imports
-    both from the ``gguf`` module at call time, so replacing the module's names reaches it."""
-    global _depth
+    both from the ``gguf`` module at call time, so replacing the module's names reaches it. A
+    nested block (SmolLM2's model builds its tokenizer first) finds them replaced already and
+    shares the outer block's memo; the outer block restores them."""
     try:
         import gguf
     except ImportError:  # nothing to memoize; the build reports the missing module itself
         yield
         return
-    if _depth:
-        _depth += 1
-        try:
-            yield
-        finally:
-            _depth -= 1
+    if getattr(gguf.GGUFReader, "parsed_once", False):
+        yield
         return
     original_reader, original_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
     readers: dict[tuple[str, str], Any] = {}
@@ -48,12 +42,11 @@ def gguf_parsed_once() -> Iterator[None]:
             readers[key] = original_reader(path, mode)
         return readers[key]
 
+    reader.parsed_once = True  # type: ignore[attr-defined]
     gguf.GGUFReader = reader
     gguf.get_tensor_name_map = functools.cache(original_name_map)
-    _depth = 1
     try:
         yield
     finally:
-        _depth = 0
         gguf.GGUFReader, gguf.get_tensor_name_map = original_reader, original_name_map
         readers.clear()
