@@ -170,17 +170,22 @@ def test_resume_runs_only_the_methods_missing(small_run, tmp_path):
         assert now == was
     ran = {(r["system"], r["method"]) for r in after["results"] if not r.get("resumed")}
     assert ran == {("vllm-kvprune", "h2o"), ("kvpress", "ObservedAttentionPress")}
-    # A gvote setting more: gvote runs again (every setting), every other method is reused.
+    # A gvote setting more, on a copy of the small run (gvote at p 0.95): gvote runs the new
+    # setting alone; its earlier setting's records and every other method's are reused.
+    swept_out = tmp_path / "swept"
+    shutil.copytree(small_run, swept_out)
     swept = [*command[:command.index("--policies") + 1], "streaming", "gvote",
-             *command[command.index("h2o") + 1:]]
+             *command[command.index("h2o") + 1:command.index("--out-dir") + 1], str(swept_out), "--resume"]
     swept[swept.index("--gvote-p") + 1:swept.index("--gvote-p") + 2] = ["0.9", "0.95"]
     finished = subprocess.run(swept, env=env, capture_output=True, text=True, timeout=900)
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
-    again = load(out, "kv_retrieval")
+    again = load(swept_out, "kv_retrieval")
     assert {(r["method"], r["gvote_p"]) for r in again["results"] if r["method"] == "gvote"} == {
         ("gvote", 0.9), ("gvote", 0.95)}
-    assert not any(r.get("resumed") for r in again["results"] if r["method"] == "gvote")
-    assert all(r.get("resumed") for r in again["results"] if r["method"] != "gvote")
+    assert {r["gvote_p"] for r in again["results"] if r["method"] == "gvote" and not r.get("resumed")} == {0.9}
+    assert all(r.get("resumed") for r in again["results"] if r["method"] != "gvote" or r["gvote_p"] == 0.95)
+    assert [r for r in again["results"] if r["method"] == "gvote" and r["gvote_p"] == 0.95] == [
+        {**r, "resumed": True} for r in before["results"] if r["method"] == "gvote"]
     refused = subprocess.run([*command[:-1], "--seed", "1", "--resume"], env=env, capture_output=True, text=True,
                              timeout=300)
     assert refused.returncode != 0 and "--resume" in refused.stderr and "seed" in refused.stderr

@@ -12,7 +12,7 @@ the same prompts at matched kept-token counts, in their own venv (`scripts/setup
 `--reuse-kvpress` takes their records from the files of an earlier run with the same cases;
 `--resume` takes every method's records found there (ours and kvpress's, method by method) and
 runs only the methods missing, so a run can be extended by a policy or a press, or `gvote` by a
-setting (`gvote` then runs all its settings again; the other methods are reused).
+setting (`gvote` then runs only the settings missing; everything else is reused).
 
 Each task prints its tables and writes `accuracy_<task>.json` and its plots to `--out-dir`.
 """
@@ -50,8 +50,8 @@ MODEL_NAMES = tuple(MODELS)
 # kvpress records are reused only where all of these match.
 KVPRESS_REUSE_KEYS = ("model", "tiny", "seed", "sinks", "dtype", "ppl_segments", "ppl_tokens", "needle_contexts", "needle_depths",
                       "kv_cases", "arith_cases", "kvpress_max_prompt", "kvpress_cases")
-# `--resume` also reuses our records, a method's where they hold every run it would make: gvote's
-# are matched with their settings (`gvote_run_key`), so a new sweep point reruns gvote alone.
+# `--resume` also reuses our records, a method's where they hold every run it would make, gvote's
+# setting by setting (`gvote_run_key`), so a new sweep point runs that point alone.
 RESUME_KEYS = KVPRESS_REUSE_KEYS
 
 
@@ -164,13 +164,14 @@ def run(args: argparse.Namespace) -> int:
     gvote = ours.gvote_settings(args.gvote_p, args.gvote_samples)
     partial = Path(args.out_dir) / "accuracy_partial.json"  # what a crash later in the run would lose
     for policy in ("none", *args.policies):
-        found = earlier and earlier.take(OURS, policy, [(t, [(r.case, r.budget, r.settings) for r in ours.policy_runs(
-            policy, t, cases, gvote)]) for t, cases in work])
-        if found:
+        settings_left = gvote
+        if earlier:
+            found, settings_left = earlier.take_policy(policy, work, gvote)
             records += found[0]
             timings += found[1]
-            continue
-        found, timed = ours.run_policy(model, policy, work, args.sinks, args.pool_gib, press_work, gvote,
+            if settings_left is None:
+                continue
+        found, timed = ours.run_policy(model, policy, work, args.sinks, args.pool_gib, press_work, settings_left,
                                        dtype=args.dtype, enforce_eager=args.enforce_eager)
         records += found
         timings += timed
@@ -320,6 +321,30 @@ class Earlier:
             timings += [t for t in document.get("timings", []) if t["system"] == system and t["method"] == method]
         print(f"[{system} {method}] records of the earlier run (--resume)", flush=True)
         return records, timings
+
+    def take_policy(self, policy: str, work: list[tuple[Task, list[Case]]], gvote: list[dict[str, Any]],
+                    ) -> tuple[tuple[list[dict[str, Any]], list[dict[str, Any]]], list[dict[str, Any]] | None]:
+        """One of our policies: the earlier records and timings it has, and the gvote settings
+        still to run (None: nothing is left to run). A budget-free policy is taken setting by
+        setting; its earlier timings are kept only when every setting is taken (each covers one
+        run's settings together, so they would not time what a partial rerun adds)."""
+        from benchmarks.accuracy import ours
+
+        def wanted(settings: list[dict[str, Any]]) -> list:
+            return [(t, [(r.case, r.budget, r.settings) for r in ours.policy_runs(policy, t, cases, settings)])
+                    for t, cases in work]
+
+        found = self.take(OURS, policy, wanted(gvote))
+        if found:
+            return found, None
+        if policy not in ours.BUDGET_FREE:
+            return ([], []), gvote
+        records, left = [], []
+        for setting in gvote:
+            taken = self.take(OURS, policy, wanted([setting]))
+            records += taken[0] if taken else []
+            left += [] if taken else [setting]
+        return (records, []), left
 
 
 def load_kvpress_records(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
