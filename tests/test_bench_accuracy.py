@@ -183,6 +183,7 @@ def test_resume_runs_only_the_methods_missing(small_run, tmp_path):
     assert {(r["method"], r["gvote_p"]) for r in again["results"] if r["method"] == "gvote"} == {
         ("gvote", 0.9), ("gvote", 0.95)}
     assert {r["gvote_p"] for r in again["results"] if r["method"] == "gvote" and not r.get("resumed")} == {0.9}
+    assert [m for m in again["settings"]["resumed"] if "gvote" in m] == ["vllm-kvprune:gvote p=0.95 S=8"]
     assert all(r.get("resumed") for r in again["results"] if r["method"] != "gvote" or r["gvote_p"] == 0.95)
     assert [r for r in again["results"] if r["method"] == "gvote" and r["gvote_p"] == 0.95] == [
         {**r, "resumed": True} for r in before["results"] if r["method"] == "gvote"]

@@ -62,6 +62,16 @@ def gvote_run_key(settings: dict[str, Any]) -> tuple[Any, Any]:
             settings.get("kv_gvote_samples", settings.get("gvote_samples")))
 
 
+def resumed_labels(records: list[dict[str, Any]]) -> list[str]:
+    """What `--resume` took from the earlier run, for the results page: `system:method`, and
+    gvote's settings each (`vllm-kvprune:gvote p=0.9 S=8`), which are taken one by one."""
+    def label(record: dict[str, Any]) -> str:
+        p, samples = gvote_run_key(record)
+        return f"{record['system']}:{record['method']}" + ("" if p is None else f" p={p:g} S={samples}")
+
+    return sorted({label(r) for r in records if r.get("resumed")})
+
+
 def build_tasks(args: argparse.Namespace) -> list[Task]:
     made = {
         "perplexity": lambda: Perplexity(args.ppl_segments, args.ppl_tokens),
@@ -215,7 +225,7 @@ def write_reports(args: argparse.Namespace, tasks: list[Task], records: list[dic
         "needle_depths", "needle_budgets", "kv_cases", "arith_cases", "kvpress", "kvpress_max_prompt", "kvpress_cases",
         "kvpress_threads", "dtype", "gvote_p", "gvote_samples", "reuse_kvpress", "resume", "tiny", "report_partial")}
     if args.resume:  # which methods came from the earlier run, for the results page
-        settings["resumed"] = sorted({f"{r['system']}:{r['method']}" for r in records if r.get("resumed")})
+        settings["resumed"] = resumed_labels(records)
     settings.update(model=run_model(args), engine=dict(ENGINE_OPTIONS, dtype=args.dtype,
                                                                 enforce_eager=args.enforce_eager), run_s=run_seconds,
                     press_of_policy=pairs)
