@@ -65,8 +65,12 @@ Gemma-3-270M (base, Q4_K_M GGUF from PyPI dequantized to bfloat16; `tools/assets
 seed, cases and budgets as the SmolLM2 run above, cut to fit this machine's time (a Gemma decode step
 costs several SmolLM2 ones here, its vocabulary being 262K): perplexity over 2 essay segments of
 2,048 tokens instead of 4 (every forced token is a decode step; it ran on its own later, on an
-AVX2-only machine: `--tasks perplexity --ppl-segments 2`), needle contexts 1K and 3K, `gvote` at
-p = 0.9 / 0.95 / 0.99 (S = 8: the sweep over S was left out for time), and
+AVX2-only machine: `--tasks perplexity --ppl-segments 2`), needle contexts 1K and 3K, `gvote`'s
+two sweeps as on SmolLM2 (p = 0.85 / 0.9 / 0.95 / 0.99 at S = 8, S = 1 / 4 / 8 / 16 at p = 0.95)
+on needle and kv_retrieval: the first run had p = 0.9 / 0.95 / 0.99 at S = 8, and the four other
+settings ran later, a task at a time, on an AVX2-only machine (`--tasks needle --resume`, then
+`--tasks kv_retrieval --resume`: `gvote` at those settings alone, every other record taken);
+arithmetic has the first run's three settings only (its sweep was left out for time), and
 kvpress on the first 10 cases of each task; the run was reported after kvpress's StreamingLLMPress.
 kvpress's other three presses (ObservedAttentionPress, KnormPress, SnapKVPress) ran later, a task
 at a time (`--tasks kv_retrieval --resume`, then `--tasks needle --resume`, then `--tasks arithmetic

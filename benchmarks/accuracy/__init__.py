@@ -203,6 +203,9 @@ def run(args: argparse.Namespace) -> int:
                 timings += found[1]
                 if press == "none":  # what budgets that keep the whole prompt answer
                     full_cache.update({(r["task"], r["case_id"]): Answer([], r["answer"]) for r in found[0]})
+                else:  # those budgets' records, made from it as a run of the press makes them
+                    records += [{**r, "resumed": True} for t, cases in press_work
+                                for r in kvpress_side.whole_prompt_records(t, cases, press, full_cache)]
                 continue
             found, timed = kvpress_side.run_press(model, spec, press_work, tokenizer, args.kvpress_threads, full_cache,
                                                   args.kvpress_timeout, args.dtype)

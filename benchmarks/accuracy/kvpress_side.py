@@ -139,9 +139,15 @@ def run_press(model: str, spec: dict[str, Any], work: Sequence[tuple[Task, list[
             records.append({**task.record(case, KVPRESS, press, budget, answer), "kv_kept": kept,
                             "kv_stored": sum(stored) / len(stored),
                             "kv_stored_full": sum(stored_full) / len(stored_full)})
-        if press != "none":  # budgets that keep the whole prompt: the full-cache answer
-            for budget in task.budgets:
-                for case in cases:
-                    if not prunes(case, budget) and (task.name, case.case_id) in full_cache:
-                        records.append(task.record(case, KVPRESS, press, budget, full_cache[(task.name, case.case_id)]))
+        if press != "none":
+            records += whole_prompt_records(task, cases, press, full_cache)
     return records, timings
+
+
+def whole_prompt_records(task: Task, cases: Sequence[Case], press: str,
+                         full_cache: dict[tuple[str, str], Answer]) -> list[dict[str, Any]]:
+    """A press's records at the budgets that keep the whole prompt, which kvpress does not run:
+    the full-cache answer of each case (`full_cache`, filled by `none`)."""
+    return [task.record(case, KVPRESS, press, budget, full_cache[(task.name, case.case_id)])
+            for budget in task.budgets for case in cases
+            if not prunes(case, budget) and (task.name, case.case_id) in full_cache]
