@@ -314,7 +314,8 @@ def earlier_document(args: argparse.Namespace, task: str, flag: str, keys: tuple
 
 class Earlier:
     """`--resume`: an earlier run's records, handed out method by method where they cover what
-    this run would run (every (case, budget) pair of every task), each marked `resumed`."""
+    this run would run (every (case, budget) pair of every task), gvote's setting by setting
+    (`take_policy`), each marked `resumed`."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.documents = {name: earlier_document(args, name, "--resume", RESUME_KEYS) for name in args.tasks}
@@ -355,8 +356,10 @@ class Earlier:
         records, left = [], []
         for setting in gvote:
             taken = self.take(OURS, policy, wanted([setting]))
-            records += taken[0] if taken else []
-            left += [] if taken else [setting]
+            if taken:
+                records += taken[0]
+            else:
+                left.append(setting)
         return (records, []), left
 
 
