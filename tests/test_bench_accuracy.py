@@ -150,7 +150,8 @@ def test_results_page_renders_every_table(small_run, tmp_path):
 def test_resume_runs_only_the_methods_missing(small_run, tmp_path):
     """`--resume` on a copy of the small run, with one policy more: the earlier methods' records
     are taken as they were (ours and kvpress's, marked `resumed`), the new policy and its press
-    are run, and a run whose cases differ is refused naming the setting."""
+    are run, a new gvote setting runs alone, a press's budget that keeps the whole prompt gets
+    the taken full-cache answers, and a run whose cases differ is refused naming the setting."""
     import shutil
 
     out = tmp_path / "resumed"
@@ -187,6 +188,23 @@ def test_resume_runs_only_the_methods_missing(small_run, tmp_path):
     assert all(r.get("resumed") for r in again["results"] if r["method"] != "gvote" or r["gvote_p"] == 0.95)
     assert [r for r in again["results"] if r["method"] == "gvote" and r["gvote_p"] == 0.95] == [
         {**r, "resumed": True} for r in before["results"] if r["method"] == "gvote"]
+    # A budget that keeps the whole prompt (1024 > kv_retrieval's ~780 tokens): streaming runs
+    # again, kvpress never runs such a budget, so its press's records there are the taken
+    # full-cache answers, as a run of the press makes them.
+    wide_out = tmp_path / "wide"
+    shutil.copytree(small_run, wide_out)
+    wide = [sys.executable, "-m", "benchmarks", "accuracy", "--tasks", "kv_retrieval", "--policies", "streaming",
+            *SMALL_GRID, "--out-dir", str(wide_out), "--resume"]
+    wide[wide.index("--budgets") + 1:wide.index("--budgets") + 2] = ["128", "1024"]
+    finished = subprocess.run(wide, env=env, capture_output=True, text=True, timeout=900)
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    widened = load(wide_out, "kv_retrieval")["results"]
+    full_cache = {r["case_id"]: r["answer"] for r in before["results"]
+                  if (r["system"], r["method"]) == ("kvpress", "none")}
+    whole = {r["case_id"]: r["answer"] for r in widened
+             if (r["system"], r["method"], r["budget"]) == ("kvpress", "StreamingLLMPress", 1024)}
+    assert max(r["prompt_tokens"] for r in widened) < 1023 and whole == full_cache and full_cache
+    assert {r["budget"] for r in widened if r["method"] == "streaming" and not r.get("resumed")} == {128, 1024}
     refused = subprocess.run([*command[:-1], "--seed", "1", "--resume"], env=env, capture_output=True, text=True,
                              timeout=300)
     assert refused.returncode != 0 and "--resume" in refused.stderr and "seed" in refused.stderr
