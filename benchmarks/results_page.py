@@ -67,11 +67,10 @@ costs several SmolLM2 ones here, its vocabulary being 262K): perplexity over 2 e
 2,048 tokens instead of 4 (every forced token is a decode step; it ran on its own later, on an
 AVX2-only machine: `--tasks perplexity --ppl-segments 2`), needle contexts 1K and 3K, `gvote`'s
 two sweeps as on SmolLM2 (p = 0.85 / 0.9 / 0.95 / 0.99 at S = 8, S = 1 / 4 / 8 / 16 at p = 0.95)
-on needle and kv_retrieval: the first run had p = 0.9 / 0.95 / 0.99 at S = 8, and the four other
-settings ran later, a task at a time, on an AVX2-only machine (`--tasks needle --resume`, then
-`--tasks kv_retrieval --resume`: `gvote` at those settings alone, every other record taken);
-arithmetic has the first run's three settings only (its sweep was left out for time), and
-kvpress on the first 10 cases of each task; the run was reported after kvpress's StreamingLLMPress.
+on every task: the first run had p = 0.9 / 0.95 / 0.99 at S = 8, and the four other settings ran
+later, a task at a time, on an AVX2-only machine (`--tasks needle --resume`, then `--tasks
+kv_retrieval --resume`, then `--tasks arithmetic --resume`: `gvote` at those settings alone, every
+other record taken), and kvpress on the first 10 cases of each task; the run was reported after kvpress's StreamingLLMPress.
 kvpress's other three presses (ObservedAttentionPress, KnormPress, SnapKVPress) ran later, a task
 at a time (`--tasks kv_retrieval --resume`, then `--tasks needle --resume`, then `--tasks arithmetic
 --resume`, every other method's records taken from the first run), on an AVX2-only machine where bf16
