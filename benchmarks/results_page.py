@@ -333,12 +333,8 @@ interpolated between their budgets at each of `gvote`'s memories."""
 
 def gvote_sweeps_section(documents: list[tuple[str, dict[str, Any]]], results_dir: Path, doc_dir: Path) -> str:
     """`gvote`'s own sweeps over p and S (the paper's Fig. 7 and 8), across the tasks that ran them."""
-    found_by_task = {}
-    for name, document in documents:
-        task = TASK_TYPES[name.removeprefix("accuracy_").removesuffix(".json")]()
-        found = memory.points(task, document["results"])
-        if any(p.method in report.BUDGET_FREE for p in found):
-            found_by_task[task.name] = (task, found)
+    found_by_task = memory.swept_tasks({name.removeprefix("accuracy_").removesuffix(".json"): document["results"]
+                                        for name, document in documents})
     if not found_by_task:
         return ""
     parts = ["### gvote's sweeps over p and S (the paper's Fig. 7 and 8)",

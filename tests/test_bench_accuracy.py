@@ -181,6 +181,9 @@ def test_resume_runs_only_the_methods_missing(small_run, tmp_path):
     finished = subprocess.run(swept, env=env, capture_output=True, text=True, timeout=900)
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
     again = load(swept_out, "kv_retrieval")
+    # The sweeps' table and plot cover the folder's every task, not only the one this run ran.
+    assert all(f"{name}: {metric} (held / per layer" in finished.stdout
+               for name, metric in (("needle", "hit rate"), ("kv_retrieval", "accuracy"), ("arithmetic", "accuracy")))
     assert {(r["method"], r["gvote_p"]) for r in again["results"] if r["method"] == "gvote"} == {
         ("gvote", 0.9), ("gvote", 0.95)}
     assert {r["gvote_p"] for r in again["results"] if r["method"] == "gvote" and not r.get("resumed")} == {0.9}

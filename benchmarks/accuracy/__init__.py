@@ -232,7 +232,6 @@ def write_reports(args: argparse.Namespace, tasks: list[Task], records: list[dic
     settings.update(model=run_model(args), engine=dict(ENGINE_OPTIONS, dtype=args.dtype,
                                                                 enforce_eager=args.enforce_eager), run_s=run_seconds,
                     press_of_policy=pairs)
-    found_by_task = {}
     for task in tasks:
         mine = [r for r in records if r["task"] == task.name]
         headers, rows = report.budget_table(task, mine, task.budgets)
@@ -256,7 +255,6 @@ def write_reports(args: argparse.Namespace, tasks: list[Task], records: list[dic
             common.print_table(*memory.memory_table(task, found))
             memory.plot_vs_memory(task, found, out.with_name(out.stem + "_memory.png"))
         if voted:
-            found_by_task[task.name] = (task, found)
             common.print_table(*memory.equal_memory_table(task, found))
         if spread:
             allocation_headers, allocation_rows = memory.allocation_table(task, found, ALLOCATIONS)
@@ -266,6 +264,9 @@ def write_reports(args: argparse.Namespace, tasks: list[Task], records: list[dic
         common.write_json(out, f"{NAME}-{task.name}", settings, mine, **extra)
         task.plot(mine, out.with_suffix(".png"))
         print(f"wrote {out} and its plots")
+    # Every task file in the folder, this run's just written: a run of some tasks keeps the others' sweeps.
+    found_by_task = memory.swept_tasks({name: json.loads(path.read_text())["results"] for name in TASK_NAMES
+                                        if (path := Path(args.out_dir) / f"accuracy_{name}.json").is_file()})
     if found_by_task:
         print("\ngvote's sweeps (the paper's Fig. 7 and 8)")
         common.print_table(*memory.sweep_rows(found_by_task))

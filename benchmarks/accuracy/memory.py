@@ -192,6 +192,21 @@ def plot_vs_memory(task: Task, found: Sequence[Point], path: Path) -> None:
     common.save_figure(figure, path)
 
 
+def swept_tasks(results_by_task: dict[str, list[dict[str, Any]]]) -> dict[str, tuple[Task, list[Point]]]:
+    """Task name -> (task, points) for the tasks whose records have `gvote` runs: what the sweeps'
+    table and plot show. `results_by_task`: a folder's records, task by task, so that a run of one
+    task (`--tasks needle --resume`) keeps the other tasks' sweeps on the plot."""
+    from benchmarks.accuracy import TASK_TYPES
+
+    found_by_task = {}
+    for name, records in results_by_task.items():
+        task = TASK_TYPES[name]()
+        found = points(task, records)
+        if any(p.method in BUDGET_FREE for p in found):
+            found_by_task[name] = (task, found)
+    return found_by_task
+
+
 def sweep_rows(found_by_task: dict[str, tuple[Task, list[Point]]]) -> tuple[list[str], list[list[str]]]:
     """GVote's own sweeps (the paper's Fig. 7: p; Fig. 8: samples): each setting's metric and
     memory on every task that ran it."""
@@ -232,7 +247,7 @@ def plot_sweeps(found_by_task: dict[str, tuple[Task, list[Point]]], path: Path) 
     by_samples.set_xlabel(f"samples S (p = {default_p:g})")
     by_samples.set_xscale("log", base=2)
     for axes in (by_p, by_samples):
-        axes.set_ylabel("accuracy (labels: memory, % of none)")
+        axes.set_ylabel("metric (labels: memory, % of none)")
         axes.legend(fontsize=7)
     common.save_figure(figure, path)
 
